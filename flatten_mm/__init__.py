@@ -1,0 +1,20 @@
+"""flatten_mm: FLatten (Focused Linear Attention, ICCV 2023) backbones for
+mmdet, mmsegmentation and timm.
+
+Importing the package registers ``FLattenPVT``, ``FLattenPVTv2`` and
+``FLattenSwin`` in mmdet's and mmseg's ``MODELS`` (whichever is installed) and
+the ImageNet classifiers in timm, so ``custom_imports=dict(imports=['flatten_mm'])``
+in a config is all an OpenMMLab project needs.
+"""
+from .checkpoint import load_checkpoint_file, load_pretrained
+from .models import (FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention,
+                     focusing_map, linear_attention)
+from .registry import register_openmmlab, register_timm
+from .version import __version__
+
+register_openmmlab()
+register_timm()
+
+__all__ = ['__version__', 'FocusedLinearAttention', 'focusing_map', 'linear_attention',
+           'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'load_checkpoint_file',
+           'load_pretrained']

@@ -1,0 +1,152 @@
+"""Loading checkpoints safely.
+
+Checkpoints written by the FLatten training script hold ``{'model':
+state_dict}`` and may also hold optimizer state and pickled objects (a yacs
+config, argparse namespaces, numpy scalars). ``torch.load(weights_only=True)``
+refuses those, and ``weights_only=False`` would run whatever the pickle says.
+
+:func:`load_state_dict_file` reads such files with torch's weights-only
+unpickler, standing in an inert placeholder for each foreign class: the
+placeholder absorbs the object's data and runs none of its code. Tensors come
+out intact; anything that is not a tensor of the state dict is dropped.
+"""
+import os
+import re
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+from mmengine.logging import print_log
+from torch import nn
+
+STATE_DICT_KEYS = ('model', 'state_dict', 'model_ema', 'module')
+STRIPPED_PREFIXES = ('module.', 'backbone.')
+
+
+class ForeignObject(dict):
+    """Inert stand-in for a pickled object of a class we do not trust.
+
+    It accepts any constructor arguments and state and keeps them as data.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.args = args
+        self.kwargs = kwargs
+
+    def __setstate__(self, state):
+        self.__dict__['state'] = state
+
+    def __call__(self, *args, **kwargs):  # used where the pickle calls a function
+        return ForeignObject(*args, **kwargs)
+
+
+def _placeholder_globals(path: str) -> list:
+    """(placeholder, name) pairs for every global the file names that torch's
+    weights-only unpickler would refuse."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as err:  # not a torch zip checkpoint
+        raise ValueError(f'{path}: not a readable torch checkpoint ({err})') from err
+    pairs = []
+    for name in names:
+        placeholder = type(name.rsplit('.', 1)[-1], (ForeignObject,), {})
+        pairs.append((placeholder, name))
+    return pairs
+
+
+def load_checkpoint_file(path: str) -> dict:
+    """Read a checkpoint without executing pickled code.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is not a torch checkpoint, or even the
+            placeholders cannot make it loadable.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'checkpoint file not found: {path}')
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception:
+        pass
+    pairs = _placeholder_globals(path)
+    try:
+        with torch.serialization.safe_globals(pairs):
+            obj = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            f'{path}: refused to load: it needs code that a weights-only load '
+            f'may not run ({err}). Only tensors and plain containers are '
+            'accepted.') from err
+    names = ', '.join(name for _, name in pairs)
+    print_log(f'{path}: ignored pickled objects of foreign types ({names}); '
+              'tensors were loaded', logger='current')
+    return obj
+
+
+def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:
+    """The tensors of a model from a loaded checkpoint: ``checkpoint['model']``
+    (the FLatten release), ``['state_dict']`` (mmengine) or the dict itself,
+    with ``module.`` / ``backbone.`` prefixes removed."""
+    sd = checkpoint
+    if isinstance(sd, dict):
+        for key in STATE_DICT_KEYS:
+            if isinstance(sd.get(key), dict):
+                sd = sd[key]
+                break
+    if not isinstance(sd, dict):
+        raise ValueError(f'checkpoint holds no state dict (got {type(checkpoint).__name__})')
+    tensors = {}
+    for key, value in sd.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        for prefix in STRIPPED_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+        tensors[key] = value
+    if not tensors:
+        raise ValueError('checkpoint holds no tensors')
+    return tensors
+
+
+def _matches(key: str, patterns: Iterable[str]) -> bool:
+    return any(re.match(p, key) for p in patterns)
+
+
+def load_pretrained(model: nn.Module,
+                    path: str,
+                    convert: Optional[Callable[[dict], dict]] = None,
+                    ignore_unexpected: Iterable[str] = (),
+                    ignore_missing: Iterable[str] = ()) -> None:
+    """Load an (official or our own) checkpoint into ``model``.
+
+    Expected differences (regular expressions in ``ignore_unexpected`` /
+    ``ignore_missing``, e.g. a classifier head, or layers only dense models
+    have) are logged. Anything else that does not fit (a tensor of another
+    shape, a weight the model lacks or needs) raises ValueError naming it,
+    since it means the checkpoint is of another architecture.
+    """
+    sd = extract_state_dict(load_checkpoint_file(path))
+    if convert is not None:
+        sd = convert(sd)
+    try:
+        result = model.load_state_dict(sd, strict=False)
+    except RuntimeError as err:
+        raise ValueError(f'{path} does not fit {type(model).__name__}: {err}') from None
+    missing = [k for k in result.missing_keys if not _matches(k, ignore_missing)]
+    unexpected = [k for k in result.unexpected_keys if not _matches(k, ignore_unexpected)]
+    if missing or unexpected:
+        def show(keys):
+            return ', '.join(keys[:8]) + (f' and {len(keys) - 8} more' if len(keys) > 8 else '')
+        parts = []
+        if missing:
+            parts.append(f'{len(missing)} weights of the model are not in the '
+                         f'checkpoint ({show(missing)})')
+        if unexpected:
+            parts.append(f'{len(unexpected)} weights of the checkpoint have no '
+                         f'place in the model ({show(unexpected)})')
+        raise ValueError(f'{path} does not fit {type(model).__name__}: '
+                         + '; '.join(parts)
+                         + '. Is it a checkpoint of another architecture?')
+    print_log(f'loaded {path} into {type(model).__name__}; not in the checkpoint '
+              f'(newly initialised): {result.missing_keys or "none"}; unused from '
+              f'the checkpoint: {result.unexpected_keys or "none"}', logger='current')

@@ -1,0 +1,309 @@
+"""Focused Linear Attention (FLatten, ICCV 2023): the op and the module.
+
+Every backbone of flatten_mm uses :class:`FocusedLinearAttention`. The module
+needs only torch (and mmengine's logger for load-time messages), so it can be
+benchmarked on a machine without mmcv, mmdet or mmseg.
+
+Notation: x is (B, N, C) on an H x W grid, h heads of d = C / h channels,
+n keys (n = N, or fewer with spatial reduction).
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+EPS = 1e-6
+
+HWShape = Tuple[int, int]
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    """Return ``value`` if it is an int >= ``minimum``, else raise ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
+    return value
+
+
+def to_2tuple_checked(name: str, value) -> HWShape:
+    """Turn an int or a pair of ints into a validated (h, w) tuple."""
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2:
+        raise ValueError(f'{name} must be an int or a pair of ints, got {value!r}')
+    return (check_positive_int(name, pair[0]), check_positive_int(name, pair[1]))
+
+
+def focusing_map(x: Tensor, scale: Tensor, focusing_factor: float) -> Tensor:
+    """The focused mapping phi_p over the last dimension (FLATTEN.md §2.4).
+
+    ``a = (ReLU(x) + eps) / scale``; ``phi(x) = ||a|| * a**p / ||a**p||``.
+    The direction of ``a`` is sharpened toward its largest channels while its
+    norm is kept. ``a / max(a)`` is raised to the power instead of ``a``: the
+    ratio is the same, and the power can no longer overflow.
+    """
+    a = (F.relu(x) + EPS) / scale
+    a_max = a.amax(dim=-1, keepdim=True)
+    u = a / a_max
+    u_p = u.pow(focusing_factor)
+    # ||a|| * u^p / ||u^p||, with ||a|| = a_max * ||u||
+    gain = a_max * torch.linalg.vector_norm(u, dim=-1, keepdim=True) / \
+        torch.linalg.vector_norm(u_p, dim=-1, keepdim=True)
+    return u_p * gain
+
+
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
+                     key_mask: Optional[Tensor] = None) -> Tensor:
+    """Normalised linear attention per head (FLATTEN.md §2.5).
+
+    Args:
+        q (Tensor): phi(Q), shape (B, N, C).
+        k (Tensor): phi(K), shape (B, n, C).
+        v (Tensor): V, shape (B, n, C).
+        num_heads (int): heads h; C is split into h groups of d channels.
+        key_mask (Tensor, optional): (B, n) bool, True for real keys. Masked
+            keys are left out of the K/V sums and of the mean normaliser.
+
+    Returns:
+        Tensor: (B, N, C), row i equal to
+        ``sum_j (q_i . k_j) v_j / sum_j (q_i . k_j)`` up to the eps of the
+        normaliser.
+    """
+    B, N, C = q.shape
+    n = k.shape[1]
+    d = C // num_heads
+    if key_mask is None:
+        count = torch.full((B, 1, 1), float(n), dtype=q.dtype, device=q.device)
+    else:
+        m = key_mask.to(q.dtype).unsqueeze(-1)
+        k = k * m
+        v = v * m
+        count = m.sum(dim=1, keepdim=True)
+    qh = q.view(B, N, num_heads, d)
+    kh = k.view(B, n, num_heads, d)
+    vh = v.view(B, n, num_heads, d)
+    k_mean = kh.sum(dim=1) / count  # (B, h, d)
+    kv = torch.einsum('bnhd,bnhe->bhde', kh, vh) / count.unsqueeze(-1)
+    z = 1.0 / (torch.einsum('bnhd,bhd->bnh', qh, k_mean) + EPS)
+    out = torch.einsum('bnhd,bhde->bnhe', qh, kv) * z.unsqueeze(-1)
+    return out.reshape(B, N, C)
+
+
+def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
+    """Resize (B, h*w, C) tokens laid on ``src`` to ``dst`` in 2-D (bilinear)."""
+    if tuple(src) == tuple(dst):
+        return tokens
+    B, _, C = tokens.shape
+    grid = tokens.transpose(1, 2).reshape(B, C, src[0], src[1])
+    grid = F.interpolate(grid, size=tuple(dst), mode='bilinear', align_corners=False)
+    return grid.flatten(2).transpose(1, 2)
+
+
+class FocusedLinearAttention(nn.Module):
+    """Focused linear attention with depth-wise-conv rank restoration.
+
+    Parameter names follow the official release (``q``, ``kv``, ``proj``,
+    ``sr``, ``norm``, ``dwc``, ``scale``, ``positional_encoding``); a
+    checkpoint with a fused ``qkv`` projection (FLatten-Swin) is split on load.
+
+    Args:
+        embed_dims (int): channels C.
+        num_heads (int): heads h; C must be divisible by h.
+        qkv_bias (bool): bias in the q and kv projections. Default: True.
+        sr_ratio (int): spatial reduction of keys and values by a strided
+            conv + LayerNorm (as PVT). Default: 1 (every query sees every token).
+        focusing_factor (float): the power p of the focused mapping. Default: 3.
+        kernel_size (int): odd kernel of the depth-wise conv on V. Default: 5.
+        pos_grid (int | tuple[int, int]): the key grid (h, w) on which the
+            learnable positional encoding is defined, i.e. the key grid at the
+            pretraining resolution. It is resized bilinearly to the key grid of
+            each input. Default: 14.
+        attn_drop (float): kept for interface parity with softmax attention;
+            linear attention forms no attention matrix, so it must be 0.
+        proj_drop (float): dropout after the output projection. Default: 0.
+    """
+
+    def __init__(self,
+                 embed_dims: int,
+                 num_heads: int,
+                 qkv_bias: bool = True,
+                 sr_ratio: int = 1,
+                 focusing_factor: float = 3,
+                 kernel_size: int = 5,
+                 pos_grid=14,
+                 attn_drop: float = 0.,
+                 proj_drop: float = 0.):
+        super().__init__()
+        check_positive_int('embed_dims', embed_dims)
+        check_positive_int('num_heads', num_heads)
+        if embed_dims % num_heads:
+            raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
+                             f'num_heads ({num_heads})')
+        check_positive_int('sr_ratio', sr_ratio)
+        check_positive_int('kernel_size', kernel_size)
+        if kernel_size % 2 == 0:
+            raise ValueError(f'kernel_size must be odd (the DWC keeps the grid '
+                             f'size), got {kernel_size}')
+        if not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
+            raise ValueError(f'focusing_factor must be a number > 0, got '
+                             f'{focusing_factor!r}')
+        if attn_drop:
+            raise ValueError(f'attn_drop must be 0 for linear attention (no '
+                             f'attention matrix is formed), got {attn_drop}')
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.head_dims = embed_dims // num_heads
+        self.sr_ratio = sr_ratio
+        self.focusing_factor = focusing_factor
+        self.kernel_size = kernel_size
+        self.pos_grid = to_2tuple_checked('pos_grid', pos_grid)
+
+        self.q = nn.Linear(embed_dims, embed_dims, bias=qkv_bias)
+        self.kv = nn.Linear(embed_dims, embed_dims * 2, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if sr_ratio > 1:
+            self.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
+            self.norm = nn.LayerNorm(embed_dims)
+        # one depth-wise conv of d channels, shared by all heads
+        self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size,
+                             padding=kernel_size // 2, groups=self.head_dims)
+        self.scale = nn.Parameter(torch.zeros(1, 1, embed_dims))
+        self.positional_encoding = nn.Parameter(
+            torch.zeros(1, self.pos_grid[0] * self.pos_grid[1], embed_dims))
+        self._register_load_state_dict_pre_hook(self._convert_official)
+
+    def extra_repr(self) -> str:
+        return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
+                f'sr_ratio={self.sr_ratio}, focusing_factor={self.focusing_factor}, '
+                f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}')
+
+    def key_grid(self, hw_shape: HWShape) -> HWShape:
+        """The (h, w) grid of keys for queries on ``hw_shape``."""
+        if self.sr_ratio == 1:
+            return tuple(hw_shape)
+        return (hw_shape[0] // self.sr_ratio, hw_shape[1] // self.sr_ratio)
+
+    def positional_encoding_for(self, grid: HWShape) -> Tensor:
+        """The positional encoding resized to a key grid, (1, h*w, C)."""
+        return resize_tokens(self.positional_encoding, self.pos_grid, grid)
+
+    def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:
+        """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid."""
+        B, N, C = x.shape
+        q = self.q(x)
+        grid = self.key_grid(hw_shape)
+        if self.sr_ratio > 1:
+            if min(grid) < 1:
+                raise ValueError(f'feature map {tuple(hw_shape)} is smaller than '
+                                 f'sr_ratio={self.sr_ratio}')
+            x_ = x.transpose(1, 2).reshape(B, C, hw_shape[0], hw_shape[1])
+            x_ = self.norm(self.sr(x_).flatten(2).transpose(1, 2))
+        else:
+            x_ = x
+        k, v = self.kv(x_).chunk(2, dim=-1)
+        k = k + self.positional_encoding_for(grid)
+        return q, k, v, grid
+
+    def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:
+        """DWC(V) on the query grid, (B, N, C). One d-channel kernel per head."""
+        B, n, C = v.shape
+        v_map = v.transpose(1, 2).reshape(B, C, grid[0], grid[1])
+        if tuple(grid) != tuple(hw_shape):
+            v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear',
+                                  align_corners=False)
+        weight = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
+        bias = self.dwc.bias.repeat(self.num_heads)
+        out = F.conv2d(v_map, weight, bias, padding=self.kernel_size // 2, groups=C)
+        return out.flatten(2).transpose(1, 2)
+
+    def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
+        """
+        Args:
+            x (Tensor): (B, N, C) tokens, row-major on ``hw_shape``.
+            hw_shape (tuple[int, int]): (H, W) with H * W = N.
+            key_mask (Tensor, optional): (B, N) bool, False for padding
+                tokens, which then take no part in any query's attention
+                (only with ``sr_ratio=1``).
+
+        Returns:
+            Tensor: (B, N, C).
+        """
+        if x.dim() != 3 or x.shape[-1] != self.embed_dims:
+            raise ValueError(f'x must be (B, N, {self.embed_dims}), got {tuple(x.shape)}')
+        H, W = hw_shape
+        if H * W != x.shape[1]:
+            raise ValueError(f'hw_shape {tuple(hw_shape)} does not match N={x.shape[1]}')
+        if key_mask is not None and self.sr_ratio > 1:
+            raise ValueError('key_mask needs sr_ratio=1: reduced keys mix padded '
+                             f'and real tokens (sr_ratio={self.sr_ratio})')
+        q, k, v, grid = self.project_qkv(x, hw_shape)
+        if key_mask is not None:
+            v = v * key_mask.unsqueeze(-1).to(v.dtype)
+        out = self.attend(q, k, v, key_mask)
+        out = out + self.depthwise_conv(v, grid, hw_shape)
+        return self.proj_drop(self.proj(out))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tensor:
+        """Focused mapping and linear attention, in fp32 under half precision."""
+        dtype = v.dtype
+        ct = torch.promote_types(dtype, torch.float32)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            scale = F.softplus(self.scale.to(ct))
+            q = focusing_map(q.to(ct), scale, self.focusing_factor)
+            k = focusing_map(k.to(ct), scale, self.focusing_factor)
+            out = linear_attention(q, k, v.to(ct), self.num_heads, key_mask)
+        return out.to(dtype)
+
+    def _convert_official(self, state_dict, prefix, *args, **kwargs):
+        """Load pre-hook: split a fused ``qkv`` projection into ``q`` and ``kv``
+        and resize a positional encoding defined on another grid."""
+        C = self.embed_dims
+        for kind in ('weight', 'bias'):
+            fused = state_dict.pop(f'{prefix}qkv.{kind}', None)
+            if fused is not None:
+                state_dict[f'{prefix}q.{kind}'] = fused[:C]
+                state_dict[f'{prefix}kv.{kind}'] = fused[C:]
+        key = f'{prefix}positional_encoding'
+        pe = state_dict.get(key)
+        if pe is not None and pe.dim() == 3 and pe.shape[-1] == C \
+                and pe.shape[1] != self.positional_encoding.shape[1]:
+            side = int(round(pe.shape[1] ** 0.5))
+            if side * side == pe.shape[1]:
+                state_dict[key] = resize_tokens(pe.float(), (side, side),
+                                                self.pos_grid).to(pe.dtype)
+                from mmengine.logging import print_log
+                print_log(f'{key}: resized the positional encoding from '
+                          f'{side}x{side} to {self.pos_grid[0]}x{self.pos_grid[1]}',
+                          logger='current')
+
+
+def reference_forward(module: FocusedLinearAttention, x: Tensor, hw_shape: HWShape) -> Tensor:
+    """The module's forward written step by step in the op order of the
+    official release (ReLU, +eps, /scale, norms, power, renormalise, mean,
+    two n^-1/2-scaled matmuls, DWC on (B*h, d, H, W)); V is resized to the
+    query grid in 2-D. Slow; kept as the yardstick for tests and benchmarks.
+    """
+    B, N, C = x.shape
+    h, d = module.num_heads, module.head_dims
+    q, k, v, grid = module.project_qkv(x, hw_shape)
+    n = k.shape[1]
+    scale = F.softplus(module.scale)
+    q = (F.relu(q) + EPS) / scale
+    k = (F.relu(k) + EPS) / scale
+    q_norm = q.norm(dim=-1, keepdim=True)
+    k_norm = k.norm(dim=-1, keepdim=True)
+    q = q ** module.focusing_factor
+    k = k ** module.focusing_factor
+    q = q / q.norm(dim=-1, keepdim=True) * q_norm
+    k = k / k.norm(dim=-1, keepdim=True) * k_norm
+    q = q.reshape(B, N, h, d).permute(0, 2, 1, 3)
+    k = k.reshape(B, n, h, d).permute(0, 2, 1, 3)
+    v = v.reshape(B, n, h, d).permute(0, 2, 1, 3)
+    z = 1 / (q @ k.mean(dim=-2, keepdim=True).transpose(-2, -1) + EPS)
+    kv = (k.transpose(-2, -1) * n ** -0.5) @ (v * n ** -0.5)
+    out = (q @ kv * z).transpose(1, 2).reshape(B, N, C)
+    v_map = v.transpose(-2, -1).reshape(B * h, d, grid[0], grid[1])
+    if tuple(grid) != tuple(hw_shape):
+        v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
+    out = out + module.dwc(v_map).reshape(B, C, N).transpose(1, 2)
+    return module.proj_drop(module.proj(out))

@@ -1,0 +1,4 @@
+from .flatten_pvt import FLattenPVT, FLattenPVTv2
+from .flatten_swin import FLattenSwin
+
+__all__ = ['FLattenPVT', 'FLattenPVTv2', 'FLattenSwin']

@@ -1,0 +1,116 @@
+"""What every FLatten backbone shares: pretrained loading, stage freezing,
+norm_eval, gradient checkpointing and the default initialisation."""
+import math
+from typing import List, Sequence
+
+import torch.utils.checkpoint as cp
+from mmengine.model import BaseModule
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ...checkpoint import load_pretrained
+
+
+class FLattenBackbone(BaseModule):
+    """Base class of the dense backbones.
+
+    Subclasses build their stages, then call :meth:`_setup_common`, and define
+    :meth:`stage_modules`, :meth:`convert_official` and the key patterns the
+    official classifier has and the backbone does not (``ignore_unexpected``)
+    or the backbone has and the classifier does not (``ignore_missing``).
+    """
+    ignore_unexpected: Sequence[str] = (r'head\.',)
+    ignore_missing: Sequence[str] = ()
+
+    def _setup_common(self, out_indices, frozen_stages: int, norm_eval: bool,
+                      with_cp: bool, num_stages: int = 4):
+        out_indices = tuple(out_indices)
+        if not out_indices or any(not isinstance(i, int) or not 0 <= i < num_stages
+                                  for i in out_indices):
+            raise ValueError(f'out_indices must be stage indices in 0..{num_stages - 1}, '
+                             f'got {out_indices!r}')
+        if not isinstance(frozen_stages, int) or not -1 <= frozen_stages <= num_stages:
+            raise ValueError(f'frozen_stages must be an int in -1..{num_stages} '
+                             f'(-1: nothing frozen), got {frozen_stages!r}')
+        self.out_indices = out_indices
+        self.frozen_stages = frozen_stages
+        self.norm_eval = norm_eval
+        self.with_cp = with_cp
+        self._freeze_stages()
+
+    def stage_modules(self, i: int) -> List[nn.Module]:
+        """Modules (and parameters wrapped in ParameterLists) of stage i."""
+        raise NotImplementedError
+
+    def stem_modules(self) -> List[nn.Module]:
+        """Modules before the first stage, frozen when frozen_stages >= 0."""
+        return []
+
+    def _freeze_stages(self):
+        """frozen_stages = k >= 0 freezes the stem and stages 0..k-1
+        (parameters stop receiving gradients, modules stay in eval mode)."""
+        if self.frozen_stages < 0:
+            return
+        modules = list(self.stem_modules())
+        for i in range(self.frozen_stages):
+            modules += self.stage_modules(i)
+        for m in modules:
+            if isinstance(m, nn.Parameter):
+                m.requires_grad = False
+                continue
+            m.eval()
+            for p in m.parameters():
+                p.requires_grad = False
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._freeze_stages()
+        if mode and self.norm_eval:
+            for m in self.modules():
+                if isinstance(m, (_BatchNorm, nn.GroupNorm, nn.LayerNorm)):
+                    m.eval()
+        return self
+
+    def run_block(self, block: nn.Module, *args):
+        """Call a block, through gradient checkpointing when ``with_cp``."""
+        if self.with_cp and self.training and any(
+                a.requires_grad for a in args if hasattr(a, 'requires_grad')):
+            return cp.checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
+
+    def convert_official(self, state_dict: dict) -> dict:
+        """Official checkpoint -> this backbone's names (identity by default)."""
+        return state_dict
+
+    def init_weights(self):
+        if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
+            checkpoint = self.init_cfg.get('checkpoint')
+            if not checkpoint:
+                raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path")
+            self.default_init()
+            load_pretrained(self, checkpoint, self.convert_official,
+                            self.ignore_unexpected, self.ignore_missing)
+            self._is_init = True
+            return
+        if self.init_cfg is None:
+            self.default_init()
+            self._is_init = True
+            return
+        super().init_weights()
+
+    def default_init(self):
+        """Truncated-normal linear layers, unit LayerNorms, He-init convs, as
+        the official FLatten models."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Conv2d):
+                fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+                nn.init.normal_(m.weight, 0, math.sqrt(2.0 / fan_out))
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)

@@ -1,0 +1,267 @@
+"""FLatten-PVT and FLatten-PVTv2 backbones.
+
+Module names follow the official release (``patch_embed{i}``,
+``pos_embed{i}``, ``block{i}``, ``norm{i}``), so the released ImageNet
+checkpoints load without renaming.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import FocusedLinearAttention, HWShape, resize_tokens, to_2tuple_checked
+from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type,
+                      check_stage_list)
+from .base import FLattenBackbone
+
+SOFTMAX_SR_RATIOS = (8, 4, 2, 1)
+
+
+class PatchEmbed(nn.Module):
+    """Patch embedding: conv (kernel ``patch_size`` with ``stride``) + LayerNorm.
+
+    PVT uses non-overlapping patches (kernel = stride); the input is padded at
+    the bottom/right to a multiple of the stride, so every pixel is covered and
+    the output grid is ceil(H / stride) x ceil(W / stride). PVTv2 uses
+    overlapping patches (kernel > stride, padding kernel // 2).
+    """
+
+    def __init__(self, in_channels: int, embed_dims: int, patch_size: int, stride: int):
+        super().__init__()
+        self.stride = stride
+        self.overlap = patch_size > stride
+        self.proj = nn.Conv2d(in_channels, embed_dims, patch_size, stride=stride,
+                              padding=patch_size // 2 if self.overlap else 0)
+        self.norm = nn.LayerNorm(embed_dims)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, HWShape]:
+        if not self.overlap:
+            pad_h = -x.shape[2] % self.stride
+            pad_w = -x.shape[3] % self.stride
+            if pad_h or pad_w:
+                x = F.pad(x, (0, pad_w, 0, pad_h))
+        x = self.proj(x)
+        hw_shape = (x.shape[2], x.shape[3])
+        return self.norm(x.flatten(2).transpose(1, 2)), hw_shape
+
+
+class PVTBlock(nn.Module):
+    """norm1 -> attention (focused linear ``L`` or softmax SRA ``S``) ->
+    norm2 -> MLP, both residual, with stochastic depth."""
+
+    def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float,
+                 attn_type: str, sr_ratio: int, pos_grid: HWShape,
+                 focusing_factor: float, kernel_size: int, qkv_bias: bool = True,
+                 drop: float = 0., attn_drop: float = 0., drop_path: float = 0.,
+                 with_dwconv: bool = False):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(embed_dims, eps=1e-6)
+        if attn_type == 'L':
+            self.attn = FocusedLinearAttention(
+                embed_dims, num_heads, qkv_bias=qkv_bias, sr_ratio=sr_ratio,
+                focusing_factor=focusing_factor, kernel_size=kernel_size,
+                pos_grid=(max(pos_grid[0] // sr_ratio, 1), max(pos_grid[1] // sr_ratio, 1)),
+                proj_drop=drop)
+        else:
+            self.attn = SpatialReductionAttention(
+                embed_dims, num_heads, qkv_bias=qkv_bias, sr_ratio=sr_ratio,
+                attn_drop=attn_drop, proj_drop=drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
+        self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop, with_dwconv)
+
+    def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+
+
+class FLattenPyramid(FLattenBackbone):
+    """The pyramid body shared by FLatten-PVT (v1) and FLatten-PVTv2.
+
+    Subclasses set ``arch_zoo`` and ``version`` (1 or 2). See
+    :class:`FLattenPVT` for the arguments.
+    """
+    arch_zoo: dict = {}
+    version: int = 1
+
+    def __init__(self,
+                 arch: str = 'tiny',
+                 in_channels: int = 3,
+                 embed_dims: Optional[Sequence[int]] = None,
+                 depths: Optional[Sequence[int]] = None,
+                 num_heads: Optional[Sequence[int]] = None,
+                 mlp_ratios: Optional[Sequence[float]] = None,
+                 attn_type: str = 'LLLL',
+                 sr_ratios: Optional[Sequence[int]] = None,
+                 focusing_factor: float = 3,
+                 kernel_size: int = 5,
+                 pretrain_img_size=224,
+                 qkv_bias: bool = True,
+                 drop_rate: float = 0.,
+                 attn_drop_rate: float = 0.,
+                 drop_path_rate: float = 0.1,
+                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 frozen_stages: int = -1,
+                 norm_eval: bool = False,
+                 with_cp: bool = False,
+                 init_cfg: Optional[dict] = None):
+        super().__init__(init_cfg=init_cfg)
+        if arch not in self.arch_zoo:
+            raise ValueError(f'arch must be one of {sorted(self.arch_zoo)}, got {arch!r}')
+        preset = self.arch_zoo[arch]
+        embed_dims = check_stage_list('embed_dims', embed_dims or preset['embed_dims'], 4)
+        depths = check_stage_list('depths', depths or preset['depths'], 4)
+        num_heads = check_stage_list('num_heads', num_heads or preset['num_heads'], 4)
+        mlp_ratios = check_stage_list('mlp_ratios', mlp_ratios or preset['mlp_ratios'], 4)
+        attn_type = check_attn_type(attn_type, 4)
+        if sr_ratios is None:
+            sr_ratios = [1 if t == 'L' else r for t, r in zip(attn_type, SOFTMAX_SR_RATIOS)]
+        sr_ratios = check_stage_list('sr_ratios', sr_ratios, 4)
+        for name, values in (('embed_dims', embed_dims), ('depths', depths),
+                             ('num_heads', num_heads)):
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f'{name} must be positive ints, got {values!r}')
+        for dims, heads in zip(embed_dims, num_heads):
+            if dims % heads:
+                raise ValueError(f'embed_dims {embed_dims} must be divisible by '
+                                 f'num_heads {num_heads} stage by stage')
+        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
+        self.arch = arch
+        self.embed_dims = embed_dims
+        self.depths = depths
+        self.attn_type = attn_type
+        self.num_stages = 4
+
+        # the token grid of each stage at the pretraining resolution
+        self.pos_grids = [(img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i)) for i in range(4)]
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        cur = 0
+        in_dims = in_channels
+        for i in range(4):
+            stride = 4 if i == 0 else 2
+            if self.version == 1:
+                embed = PatchEmbed(in_dims, embed_dims[i], stride, stride)
+            else:
+                embed = PatchEmbed(in_dims, embed_dims[i], 7 if i == 0 else 3, stride)
+            grid = self.pos_grids[i]
+            setattr(self, f'patch_embed{i + 1}', embed)
+            if self.version == 1:
+                setattr(self, f'pos_embed{i + 1}',
+                        nn.Parameter(torch.zeros(1, grid[0] * grid[1], embed_dims[i])))
+            setattr(self, f'block{i + 1}', nn.ModuleList([
+                PVTBlock(embed_dims[i], num_heads[i], mlp_ratios[i], attn_type[i],
+                         sr_ratios[i], grid, focusing_factor, kernel_size, qkv_bias,
+                         drop_rate, attn_drop_rate, dpr[cur + j],
+                         with_dwconv=self.version == 2)
+                for j in range(depths[i])]))
+            if self.version == 2:
+                setattr(self, f'norm{i + 1}', nn.LayerNorm(embed_dims[i], eps=1e-6))
+            cur += depths[i]
+            in_dims = embed_dims[i]
+        self.pos_drop = nn.Dropout(drop_rate)
+        self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
+
+    def stage_modules(self, i: int) -> List[nn.Module]:
+        names = [f'patch_embed{i + 1}', f'block{i + 1}', f'norm{i + 1}', f'pos_embed{i + 1}']
+        return [getattr(self, n) for n in names if hasattr(self, n)]
+
+    def default_init(self):
+        super().default_init()
+        if self.version == 1:
+            for i in range(4):
+                nn.init.trunc_normal_(getattr(self, f'pos_embed{i + 1}'), std=.02)
+
+    def forward_stage(self, i: int, x: Tensor) -> Tuple[Tensor, HWShape]:
+        """Run stage i on an image / feature map (B, C, H, W); returns its
+        tokens (B, N, C') and grid."""
+        x, hw_shape = getattr(self, f'patch_embed{i + 1}')(x)
+        if self.version == 1:
+            pos = resize_tokens(getattr(self, f'pos_embed{i + 1}'), self.pos_grids[i], hw_shape)
+            x = self.pos_drop(x + pos)
+        for block in getattr(self, f'block{i + 1}'):
+            x = self.run_block(block, x, hw_shape)
+        if self.version == 2:
+            x = getattr(self, f'norm{i + 1}')(x)
+        return x, hw_shape
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        """
+        Args:
+            x (Tensor): images (B, C, H, W), any H and W.
+
+        Returns:
+            tuple[Tensor]: feature maps (B, C_i, ceil(H / s_i), ceil(W / s_i))
+            at strides s_i = 4, 8, 16, 32 for the stages in ``out_indices``.
+        """
+        if x.dim() != 4:
+            raise ValueError(f'expected images (B, C, H, W), got shape {tuple(x.shape)}')
+        outs = []
+        for i in range(self.num_stages):
+            tokens, hw_shape = self.forward_stage(i, x)
+            x = tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw_shape)
+            if i in self.out_indices:
+                outs.append(x)
+        return tuple(outs)
+
+
+class FLattenPVT(FLattenPyramid):
+    """FLatten-PVT: PVT v1 with focused linear attention (FLatten, ICCV 2023).
+
+    Args:
+        arch (str): ``tiny``, ``small``, ``medium`` or ``large``; the explicit
+            arguments below override the preset. Default: ``tiny``.
+        in_channels (int): image channels. Default: 3.
+        embed_dims, depths, num_heads, mlp_ratios (Sequence, optional): per
+            stage overrides of the preset.
+        attn_type (str): one letter per stage, ``L`` focused linear attention
+            or ``S`` PVT's softmax spatial-reduction attention. Default: LLLL.
+        sr_ratios (Sequence[int], optional): key reduction per stage. Default:
+            1 for ``L`` stages (every query sees every token, as released) and
+            PVT's 8, 4, 2, 1 for ``S`` stages.
+        focusing_factor (float): p of the focused mapping. Default: 3.
+        kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
+        pretrain_img_size (int | tuple): resolution the position embeddings
+            and encodings were learnt at; they are resized to each input.
+            Default: 224.
+        qkv_bias (bool): bias in q/kv projections. Default: True.
+        drop_rate, attn_drop_rate (float): dropout rates. Default: 0.
+        drop_path_rate (float): stochastic depth, linear over blocks. Default: 0.1.
+        out_indices (Sequence[int]): stages whose maps are returned.
+        frozen_stages (int): -1 freezes nothing; k >= 0 freezes the first k
+            stages (with their patch embeddings). Default: -1.
+        norm_eval (bool): keep normalisation layers in eval mode. Default: False.
+        with_cp (bool): gradient checkpointing per block. Default: False.
+        init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH)``
+            loads an official ImageNet checkpoint (``{'model': state_dict}``).
+    """
+    version = 1
+    ignore_unexpected = (r'head\.', r'norm\.')  # the classifier and its unused norm
+    arch_zoo = {
+        name: dict(embed_dims=[64, 128, 320, 512], num_heads=[1, 2, 5, 8],
+                   mlp_ratios=[8, 8, 4, 4], depths=depths)
+        for name, depths in (('tiny', [2, 2, 2, 2]), ('small', [3, 4, 6, 3]),
+                             ('medium', [3, 4, 18, 3]), ('large', [3, 8, 27, 3]))
+    }
+
+
+class FLattenPVTv2(FLattenPyramid):
+    """FLatten-PVTv2: PVTv2 (overlapping patch embedding, depth-wise conv in
+    the MLP, a LayerNorm after each stage) with focused linear attention.
+
+    Arguments as :class:`FLattenPVT`; ``arch`` is one of ``b0`` ... ``b5``.
+    Heads are 1, 2, 5, 8 per stage in every preset (head dimension 32 for b0,
+    64 for b1-b5), which gives the released parameter counts.
+    """
+    version = 2
+    arch_zoo = {
+        'b0': dict(embed_dims=[32, 64, 160, 256], num_heads=[1, 2, 5, 8],
+                   mlp_ratios=[8, 8, 4, 4], depths=[2, 2, 2, 2]),
+        **{name: dict(embed_dims=[64, 128, 320, 512], num_heads=[1, 2, 5, 8],
+                      mlp_ratios=ratios, depths=depths)
+           for name, depths, ratios in (
+               ('b1', [2, 2, 2, 2], [8, 8, 4, 4]), ('b2', [3, 4, 6, 3], [8, 8, 4, 4]),
+               ('b3', [3, 4, 18, 3], [8, 8, 4, 4]), ('b4', [3, 8, 27, 3], [8, 8, 4, 4]),
+               ('b5', [3, 6, 40, 3], [4, 4, 4, 4]))},
+    }

@@ -1,0 +1,253 @@
+"""FLatten-Swin backbone.
+
+Module names follow the official release (``patch_embed``,
+``layers.{i}.blocks.{j}``, ``layers.{i}.downsample``), so the released
+ImageNet checkpoints load without renaming (the fused ``qkv`` of the linear
+attention blocks is split on load by :class:`FocusedLinearAttention`).
+
+Linear-attention (``L``) stages attend globally by default: the released
+models were pretrained with one window covering the whole map and no shift,
+and the cost is linear in the number of tokens. ``linear_window`` switches
+them to (shifted) windows. Softmax (``S``) stages use Swin's shifted windows.
+Shifted windows are a regular partition of the map padded at the top/left, and
+every padded token is masked out of attention, so no token ever attends across
+the image border and results do not depend on how much was padded.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import FocusedLinearAttention, HWShape, check_positive_int, to_2tuple_checked
+from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, check_attn_type,
+                      check_stage_list, window_merge, window_partition)
+from .base import FLattenBackbone
+from .flatten_pvt import PatchEmbed
+
+
+class SwinBlock(nn.Module):
+    """A Swin block whose attention is focused linear (``L``) or softmax (``S``).
+
+    Args:
+        window (tuple[int, int] | None): window size; None attends globally
+            (``L`` only).
+        shift (bool): shift the windows by half a window (odd blocks), unless
+            the map fits in one window.
+        pos_grid (tuple[int, int]): reference grid of the linear attention's
+            positional encoding.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, attn_type: str,
+                 window: Optional[HWShape], shift: bool, pos_grid: HWShape,
+                 focusing_factor: float, kernel_size: int, mlp_ratio: float = 4.,
+                 qkv_bias: bool = True, drop: float = 0., attn_drop: float = 0.,
+                 drop_path: float = 0.):
+        super().__init__()
+        self.window = window
+        self.shift = shift and window is not None
+        self.linear = attn_type == 'L'
+        self.norm1 = nn.LayerNorm(embed_dims)
+        if self.linear:
+            self.attn = FocusedLinearAttention(
+                embed_dims, num_heads, qkv_bias=qkv_bias, focusing_factor=focusing_factor,
+                kernel_size=kernel_size, pos_grid=pos_grid, proj_drop=drop)
+        else:
+            self.attn = WindowSoftmaxAttention(embed_dims, num_heads, window, qkv_bias,
+                                               attn_drop, drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(embed_dims)
+        self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop)
+        self._register_load_state_dict_pre_hook(self._drop_official_buffers)
+
+    @staticmethod
+    def _drop_official_buffers(state_dict, prefix, *args, **kwargs):
+        # the release stores Swin's cyclic-shift mask; windows here need none
+        state_dict.pop(f'{prefix}attn_mask', None)
+
+    def attention(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        H, W = hw_shape
+        if self.window is None or (self.linear and H <= self.window[0] and W <= self.window[1]):
+            return self.attn(x, hw_shape)  # one window: the whole map
+        wh, ww = self.window
+        fits = H <= wh and W <= ww
+        offset = (wh - wh // 2, ww - ww // 2) if self.shift and not fits else (0, 0)
+        windows, mask, layout = window_partition(x.view(-1, H, W, x.shape[-1]),
+                                                 self.window, offset)
+        windows = self.attn(windows, self.window, mask)
+        return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
+
+    def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        x = x + self.drop_path(self.attention(self.norm1(x), hw_shape))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PatchMerging(nn.Module):
+    """2x2 neighbourhood concat + LayerNorm + linear 4C -> 2C (Swin's order);
+    odd maps are zero-padded at the bottom/right."""
+
+    def __init__(self, embed_dims: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(4 * embed_dims)
+        self.reduction = nn.Linear(4 * embed_dims, 2 * embed_dims, bias=False)
+
+    def forward(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, HWShape]:
+        B, _, C = x.shape
+        H, W = hw_shape
+        x = x.view(B, H, W, C)
+        if H % 2 or W % 2:
+            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+        hw_shape = (x.shape[1], x.shape[2])
+        return self.reduction(self.norm(x.flatten(1, 2))), hw_shape
+
+
+class SwinStage(nn.Module):
+    """Blocks of one stage and the patch merging that follows it."""
+
+    def __init__(self, blocks: List[SwinBlock], downsample: Optional[PatchMerging]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.downsample = downsample
+
+
+class FLattenSwin(FLattenBackbone):
+    """FLatten-Swin: Swin Transformer with focused linear attention.
+
+    Args:
+        arch (str): ``tiny``, ``small`` or ``base``. Default: ``tiny``.
+        in_channels (int): image channels. Default: 3.
+        embed_dims (int, optional): channels of stage 1 (doubled per stage).
+        depths, num_heads (Sequence[int], optional): per stage overrides.
+        attn_type (str): one letter per stage, ``L`` focused linear or ``S``
+            softmax window attention. Default: ``LLSS`` (as released).
+        window_size (int): window of the softmax stages. Default: 7 (12 for
+            the 384 model).
+        linear_window (int, optional): window of the linear stages; None
+            (default) attends globally, as the released models did at 224².
+        pretrain_img_size (int | tuple): resolution of pretraining; the linear
+            attention's positional encodings live on the stage grids at this
+            resolution and are resized to each input. Default: 224.
+        focusing_factor (float): p of the focused mapping. Default: 3.
+        kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
+        mlp_ratio (float): MLP hidden ratio. Default: 4.
+        qkv_bias (bool): bias in the qkv projections. Default: True.
+        drop_rate, attn_drop_rate (float): dropout rates. Default: 0.
+        drop_path_rate (float): stochastic depth, linear over blocks. Default: 0.2.
+        out_indices (Sequence[int]): stages whose (LayerNorm-ed) maps are
+            returned. Default: (0, 1, 2, 3).
+        frozen_stages (int): -1 freezes nothing; k >= 0 freezes the patch
+            embedding and the first k stages. Default: -1.
+        norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
+    """
+    ignore_unexpected = (r'head\.', r'norm\.')  # the classifier's head and final norm
+    ignore_missing = (r'norm\d\.',)  # the LayerNorm on each dense output
+    arch_zoo = {
+        'tiny': dict(embed_dims=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24]),
+        'small': dict(embed_dims=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24]),
+        'base': dict(embed_dims=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32]),
+    }
+
+    def __init__(self,
+                 arch: str = 'tiny',
+                 in_channels: int = 3,
+                 embed_dims: Optional[int] = None,
+                 depths: Optional[Sequence[int]] = None,
+                 num_heads: Optional[Sequence[int]] = None,
+                 attn_type: str = 'LLSS',
+                 window_size: int = 7,
+                 linear_window: Optional[int] = None,
+                 pretrain_img_size=224,
+                 focusing_factor: float = 3,
+                 kernel_size: int = 5,
+                 mlp_ratio: float = 4.,
+                 qkv_bias: bool = True,
+                 drop_rate: float = 0.,
+                 attn_drop_rate: float = 0.,
+                 drop_path_rate: float = 0.2,
+                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 frozen_stages: int = -1,
+                 norm_eval: bool = False,
+                 with_cp: bool = False,
+                 init_cfg: Optional[dict] = None):
+        super().__init__(init_cfg=init_cfg)
+        if arch not in self.arch_zoo:
+            raise ValueError(f'arch must be one of {sorted(self.arch_zoo)}, got {arch!r}')
+        preset = self.arch_zoo[arch]
+        base_dims = check_positive_int('embed_dims', embed_dims or preset['embed_dims'])
+        depths = check_stage_list('depths', depths or preset['depths'], 4)
+        num_heads = check_stage_list('num_heads', num_heads or preset['num_heads'], 4)
+        attn_type = check_attn_type(attn_type, 4)
+        window = to_2tuple_checked('window_size', window_size)
+        lin_window = None if linear_window is None else \
+            to_2tuple_checked('linear_window', linear_window)
+        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
+        dims = [base_dims * 2 ** i for i in range(4)]
+        for d, h in zip(dims, num_heads):
+            if d % h:
+                raise ValueError(f'stage dims {dims} must be divisible by num_heads '
+                                 f'{num_heads} stage by stage')
+        self.arch = arch
+        self.embed_dims = dims
+        self.attn_type = attn_type
+        self.num_stages = 4
+
+        self.patch_embed = PatchEmbed(in_channels, base_dims, 4, 4)
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        self.layers = nn.ModuleList()
+        for i in range(4):
+            grid = (img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i))
+            stage_window = lin_window if attn_type[i] == 'L' else window
+            blocks = [SwinBlock(dims[i], num_heads[i], attn_type[i], stage_window,
+                                shift=j % 2 == 1, pos_grid=grid,
+                                focusing_factor=focusing_factor, kernel_size=kernel_size,
+                                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate,
+                                attn_drop=attn_drop_rate,
+                                drop_path=dpr[sum(depths[:i]) + j])
+                      for j in range(depths[i])]
+            self.layers.append(SwinStage(blocks, PatchMerging(dims[i]) if i < 3 else None))
+        self._add_output_norms(out_indices)
+        self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
+
+    def _add_output_norms(self, out_indices):
+        for i in out_indices:
+            if isinstance(i, int) and 0 <= i < 4:
+                setattr(self, f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
+
+    def stem_modules(self) -> List[nn.Module]:
+        return [self.patch_embed]
+
+    def stage_modules(self, i: int) -> List[nn.Module]:
+        return [self.layers[i]] + ([getattr(self, f'norm{i}')] if hasattr(self, f'norm{i}') else [])
+
+    def forward_stages(self, x: Tensor):
+        """Yield (stage index, tokens (B, N, C), grid) before each patch merging."""
+        x, hw_shape = self.patch_embed(x)
+        x = self.pos_drop(x)
+        for i, stage in enumerate(self.layers):
+            for block in stage.blocks:
+                x = self.run_block(block, x, hw_shape)
+            yield i, x, hw_shape
+            if stage.downsample is not None:
+                x, hw_shape = stage.downsample(x, hw_shape)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        """
+        Args:
+            x (Tensor): images (B, C, H, W), any H and W.
+
+        Returns:
+            tuple[Tensor]: LayerNorm-ed feature maps at strides 4, 8, 16, 32
+            for the stages in ``out_indices``.
+        """
+        if x.dim() != 4:
+            raise ValueError(f'expected images (B, C, H, W), got shape {tuple(x.shape)}')
+        outs = []
+        for i, tokens, hw_shape in self.forward_stages(x):
+            if i in self.out_indices:
+                norm = getattr(self, f'norm{i}', None)
+                if norm is not None:
+                    tokens = norm(tokens)
+                outs.append(tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw_shape))
+        return tuple(outs)

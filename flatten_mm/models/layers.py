@@ -1,0 +1,199 @@
+"""Building blocks shared by the FLatten backbones: MLPs, softmax attention
+for the ``S`` stages, window partitioning with masked padding, DropPath."""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import HWShape, check_positive_int
+
+ATTN_TYPES = ('L', 'S')
+
+
+def check_attn_type(attn_type: str, num_stages: int) -> str:
+    """Validate a per-stage attention string such as ``'LLSS'``."""
+    if not isinstance(attn_type, str) or len(attn_type) != num_stages or \
+            any(c not in ATTN_TYPES for c in attn_type):
+        raise ValueError(f'attn_type must be a string of {num_stages} letters, '
+                         f'each L (focused linear) or S (softmax), got {attn_type!r}')
+    return attn_type
+
+
+def check_stage_list(name: str, values, num_stages: int) -> list:
+    values = list(values)
+    if len(values) != num_stages:
+        raise ValueError(f'{name} must have {num_stages} entries (one per stage), '
+                         f'got {values!r}')
+    return values
+
+
+def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
+    """(B, N, C) -> (B, C, H, W)."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], hw_shape[0], hw_shape[1])
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drops whole residual branches per sample in training."""
+
+    def __init__(self, drop_prob: float = 0.):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.drop_prob == 0.:
+            return x
+        keep = 1 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+    def extra_repr(self) -> str:
+        return f'drop_prob={self.drop_prob}'
+
+
+class Mlp(nn.Module):
+    """fc1 -> [depth-wise 3x3 conv (PVTv2)] -> GELU -> fc2, with dropout."""
+
+    def __init__(self, embed_dims: int, hidden_dims: int, drop: float = 0.,
+                 with_dwconv: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(embed_dims, hidden_dims)
+        if with_dwconv:
+            self.dwconv = DWConv(hidden_dims)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dims, embed_dims)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: Tensor, hw_shape: Optional[HWShape] = None) -> Tensor:
+        x = self.fc1(x)
+        if hasattr(self, 'dwconv'):
+            x = self.dwconv(x, hw_shape)
+        x = self.drop(self.act(x))
+        return self.drop(self.fc2(x))
+
+
+class DWConv(nn.Module):
+    """3x3 depth-wise conv on tokens (the PVTv2 MLP); named as the release."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+
+    def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        return self.dwconv(tokens_to_map(x, hw_shape)).flatten(2).transpose(1, 2)
+
+
+class SpatialReductionAttention(nn.Module):
+    """PVT's softmax attention with keys/values reduced by ``sr_ratio``
+    (used by ``S`` stages of FLatten-PVT). Names follow the release."""
+
+    def __init__(self, embed_dims: int, num_heads: int, qkv_bias: bool = True,
+                 sr_ratio: int = 1, attn_drop: float = 0., proj_drop: float = 0.):
+        super().__init__()
+        if embed_dims % num_heads:
+            raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
+                             f'num_heads ({num_heads})')
+        self.num_heads = num_heads
+        self.sr_ratio = check_positive_int('sr_ratio', sr_ratio)
+        self.attn_drop = attn_drop
+        self.q = nn.Linear(embed_dims, embed_dims, bias=qkv_bias)
+        self.kv = nn.Linear(embed_dims, embed_dims * 2, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if sr_ratio > 1:
+            self.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
+            self.norm = nn.LayerNorm(embed_dims)
+
+    def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        B, N, C = x.shape
+        h = self.num_heads
+        q = self.q(x).view(B, N, h, C // h).transpose(1, 2)
+        if self.sr_ratio > 1:
+            if min(hw_shape) < self.sr_ratio:
+                raise ValueError(f'feature map {tuple(hw_shape)} is smaller than '
+                                 f'sr_ratio={self.sr_ratio}')
+            x = self.norm(self.sr(tokens_to_map(x, hw_shape)).flatten(2).transpose(1, 2))
+        k, v = self.kv(x).view(B, -1, 2, h, C // h).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.attn_drop if self.training else 0.)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
+
+
+class WindowSoftmaxAttention(nn.Module):
+    """Swin's window attention with relative position bias (``S`` stages of
+    FLatten-Swin). Padded keys (``key_mask`` False) get no weight."""
+
+    def __init__(self, embed_dims: int, num_heads: int, window_size: HWShape,
+                 qkv_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.):
+        super().__init__()
+        if embed_dims % num_heads:
+            raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
+                             f'num_heads ({num_heads})')
+        self.num_heads = num_heads
+        self.window_size = tuple(window_size)
+        self.attn_drop = attn_drop
+        wh, ww = self.window_size
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads))
+        coords = torch.stack(torch.meshgrid(torch.arange(wh), torch.arange(ww),
+                                            indexing='ij')).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)
+        index = (rel[..., 0] + wh - 1) * (2 * ww - 1) + rel[..., 1] + ww - 1
+        self.register_buffer('relative_position_index', index)
+        self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
+        B, N, C = x.shape
+        h = self.num_heads
+        q, k, v = self.qkv(x).view(B, N, 3, h, C // h).permute(2, 0, 3, 1, 4)
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        bias = bias.view(N, N, h).permute(2, 0, 1).unsqueeze(0).to(q.dtype)
+        if key_mask is not None:
+            bias = bias.masked_fill(~key_mask[:, None, None, :], float('-inf'))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
+
+
+def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0)
+                     ) -> Tuple[Tensor, Optional[Tensor], Tuple[int, int, int, int]]:
+    """Split a (B, H, W, C) map into windows, padding where needed.
+
+    A shifted partition (Swin's SW-MSA) is a regular partition of the map
+    padded by ``offset`` rows/columns at the top/left. Every window then holds
+    only neighbouring tokens plus padding, so no cyclic shift and no region
+    mask are needed; padded tokens are excluded through the returned key mask.
+
+    Returns:
+        windows (B * nW, wh * ww, C); key mask (B * nW, wh * ww) bool or None
+        when nothing was padded; and (top, left, Hp, Wp) for :func:`window_merge`.
+    """
+    B, H, W, C = x.shape
+    wh, ww = window
+    top, left = offset
+    bottom = (-(top + H)) % wh
+    right = (-(left + W)) % ww
+    padded = top or left or bottom or right
+    if padded:
+        x = F.pad(x, (0, 0, left, right, top, bottom))
+    Hp, Wp = H + top + bottom, W + left + right
+    windows = x.view(B, Hp // wh, wh, Wp // ww, ww, C).transpose(2, 3).reshape(-1, wh * ww, C)
+    mask = None
+    if padded:
+        valid = torch.zeros(Hp, Wp, dtype=torch.bool, device=x.device)
+        valid[top:top + H, left:left + W] = True
+        mask = valid.view(Hp // wh, wh, Wp // ww, ww).transpose(1, 2).reshape(-1, wh * ww)
+        mask = mask.repeat(B, 1)
+    return windows, mask, (top, left, Hp, Wp)
+
+
+def window_merge(windows: Tensor, window: HWShape, hw_shape: HWShape,
+                 layout: Tuple[int, int, int, int]) -> Tensor:
+    """Inverse of :func:`window_partition`: (B * nW, wh * ww, C) -> (B, H, W, C)."""
+    wh, ww = window
+    top, left, Hp, Wp = layout
+    C = windows.shape[-1]
+    x = windows.view(-1, Hp // wh, Wp // ww, wh, ww, C).transpose(2, 3).reshape(-1, Hp, Wp, C)
+    return x[:, top:top + hw_shape[0], left:left + hw_shape[1]]

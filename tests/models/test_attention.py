@@ -1,0 +1,181 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flatten_mm import FocusedLinearAttention
+from flatten_mm.models.attention import EPS, reference_forward
+
+
+def make_module(C=32, heads=1, sr=1, grid=(6, 7), **kw):
+    m = FocusedLinearAttention(C, heads, sr_ratio=sr, pos_grid=grid, **kw).double()
+    with torch.no_grad():  # non-trivial values for every parameter
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m
+
+
+def explicit_attention(m, x, hw):
+    """phi(Q) phi(K)^T row-normalised, applied to V, plus DWC: the slow way."""
+    B, N, C = x.shape
+    h, d = m.num_heads, m.head_dims
+    q = m.q(x)
+    if m.sr_ratio > 1:
+        xm = x.transpose(1, 2).reshape(B, C, *hw)
+        kx = m.norm(m.sr(xm).flatten(2).transpose(1, 2))
+        grid = (hw[0] // m.sr_ratio, hw[1] // m.sr_ratio)
+    else:
+        kx, grid = x, hw
+    kv = m.kv(kx)
+    k, v = kv[..., :C], kv[..., C:]
+    pe = F.interpolate(m.positional_encoding.transpose(1, 2).reshape(1, C, *m.pos_grid),
+                       size=grid, mode='bilinear', align_corners=False)
+    k = k + pe.flatten(2).transpose(1, 2)
+    s = F.softplus(m.scale)
+
+    def phi(t):
+        a = (torch.relu(t) + EPS) / s
+        ap = a ** m.focusing_factor
+        return ap / ap.norm(dim=-1, keepdim=True) * a.norm(dim=-1, keepdim=True)
+
+    fq, fk = phi(q), phi(k)
+    out = torch.zeros_like(q)
+    for i in range(h):
+        sl = slice(i * d, (i + 1) * d)
+        A = fq[..., sl] @ fk[..., sl].transpose(1, 2)  # (B, N, n)
+        # row-normalised; the release's stable normaliser adds eps to the
+        # mean, i.e. n * eps to the row sum
+        A = A / (A.sum(-1, keepdim=True) + A.shape[-1] * EPS)
+        out[..., sl] = A @ v[..., sl]
+    vm = v.transpose(1, 2).reshape(B, C, *grid)
+    if grid != hw:
+        vm = F.interpolate(vm, size=hw, mode='bilinear', align_corners=False)
+    for i in range(h):  # the d-channel DWC, head by head
+        sl = slice(i * d, (i + 1) * d)
+        out[..., sl] += m.dwc(vm[:, sl]).flatten(2).transpose(1, 2)
+    return m.proj(out)
+
+
+@pytest.mark.parametrize('heads,sr,hw', [(1, 1, (6, 7)), (4, 1, (9, 5)), (1, 2, (8, 10)),
+                                         (4, 2, (12, 14)), (2, 3, (9, 9))])
+def test_linear_form_equals_explicit_matrix(heads, sr, hw):
+    m = make_module(C=32, heads=heads, sr=sr, grid=(4, 5))
+    x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64)
+    got = m(x, hw)
+    want = explicit_attention(m, x, hw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference_forward(m, x, hw), want, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_matches_reference():
+    m = make_module(C=64, heads=2, grid=(8, 8)).float()
+    x = torch.randn(2, 100, 64)
+    torch.testing.assert_close(m(x, (10, 10)), reference_forward(m, x, (10, 10)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_focusing_sharpens_and_keeps_norm():
+    from flatten_mm import focusing_map
+    x = torch.tensor([[1.0, 2.0, 4.0]], dtype=torch.float64)
+    out = focusing_map(x, torch.ones(3, dtype=torch.float64), 3)
+    a = torch.relu(x) + EPS
+    torch.testing.assert_close(out.norm(), a.norm())
+    # direction of a**3: the largest channel's share grows
+    assert out[0, 2] / out[0, 0] == pytest.approx((4 + EPS) ** 3 / (1 + EPS) ** 3)
+
+
+def test_positional_encoding_resized_in_2d():
+    m = make_module(C=8, heads=1, grid=(2, 3))
+    with torch.no_grad():
+        # a ramp along the width only: a 2-D resize keeps rows identical
+        m.positional_encoding.copy_(torch.tensor([0., 1., 2.]).repeat(2).view(1, 6, 1).expand(1, 6, 8))
+    pe = m.positional_encoding_for((4, 6)).view(4, 6, 8)
+    assert torch.equal(pe[0], pe[3])
+    assert pe[0, 0, 0] == 0 and pe[0, -1, 0] == 2
+
+
+def test_key_mask_excludes_padding():
+    from flatten_mm import focusing_map
+    m = make_module(C=16, heads=2, grid=(4, 4))
+    x = torch.randn(1, 16, 16, dtype=torch.float64)
+    mask = torch.ones(1, 16, dtype=torch.bool)
+    mask[0, [3, 7, 11, 12, 13, 14, 15]] = False  # bottom row and right column padded
+    real = mask[0]
+    got = m(x.masked_fill(~mask[..., None], 0), (4, 4), mask)
+    # whatever the padded tokens hold, real tokens see the same result
+    junk = m(x.masked_fill(~mask[..., None], 50.), (4, 4), mask)
+    torch.testing.assert_close(got[mask], junk[mask])
+    # and it is attention over the 9 real keys only, computed explicitly
+    q, k, v, _ = m.project_qkv(x, (4, 4))
+    s = F.softplus(m.scale)
+    fq, fk = focusing_map(q, s, 3), focusing_map(k, s, 3)
+    v = v * mask[..., None]
+    out = torch.zeros_like(q)
+    for sl in (slice(0, 8), slice(8, 16)):
+        A = fq[0, :, sl] @ fk[0, real][:, sl].T
+        A = A / (A.sum(-1, keepdim=True) + real.sum() * EPS)
+        out[0, :, sl] = A @ v[0, real][:, sl]
+        out[0, :, sl] += m.dwc(v[0, :, sl].T.reshape(1, 8, 4, 4)).flatten(2)[0].T
+    torch.testing.assert_close(got[mask], m.proj(out)[mask])
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_half_precision_autocast_is_finite(dtype):
+    m = FocusedLinearAttention(64, 2, pos_grid=(8, 8))
+    x = torch.randn(2, 64, 64) * 100
+    with torch.autocast('cpu', dtype=dtype):
+        out = m(x, (8, 8))
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    ref = m(x, (8, 8))
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 0.05
+
+
+def test_gradients_reach_every_parameter():
+    m = make_module(C=16, heads=2, sr=2, grid=(3, 3)).float()
+    x = torch.randn(2, 36, 16, requires_grad=True)
+    m(x, (6, 6)).square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(embed_dims=30, num_heads=4), 'divisible'),
+    (dict(embed_dims=32, num_heads=4, kernel_size=4), 'kernel_size must be odd'),
+    (dict(embed_dims=32, num_heads=4, kernel_size=0), 'kernel_size'),
+    (dict(embed_dims=32, num_heads=4, sr_ratio=0), 'sr_ratio'),
+    (dict(embed_dims=32, num_heads=4, focusing_factor=-1), 'focusing_factor'),
+    (dict(embed_dims=32, num_heads=4, pos_grid=(3, 0)), 'pos_grid'),
+    (dict(embed_dims=32, num_heads=4, attn_drop=0.1), 'attn_drop'),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FocusedLinearAttention(**kwargs)
+
+
+def test_bad_input_shapes():
+    m = FocusedLinearAttention(32, 4)
+    with pytest.raises(ValueError, match=r'hw_shape \(5, 5\) does not match N=24'):
+        m(torch.randn(1, 24, 32), (5, 5))
+    with pytest.raises(ValueError, match=r'x must be \(B, N, 32\)'):
+        m(torch.randn(1, 25, 16), (5, 5))
+
+
+def test_fused_qkv_checkpoint_is_split():
+    m = FocusedLinearAttention(16, 2, pos_grid=(4, 4))
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    qkv_w = torch.cat([sd.pop('q.weight'), sd.pop('kv.weight')]) + 1
+    qkv_b = torch.cat([sd.pop('q.bias'), sd.pop('kv.bias')]) + 1
+    sd['qkv.weight'], sd['qkv.bias'] = qkv_w, qkv_b
+    m.load_state_dict(sd)
+    torch.testing.assert_close(m.q.weight, qkv_w[:16])
+    torch.testing.assert_close(m.kv.bias, qkv_b[16:])
+
+
+def test_positional_encoding_of_other_grid_is_resized_on_load():
+    m = FocusedLinearAttention(8, 1, pos_grid=(4, 4))
+    sd = m.state_dict()
+    sd['positional_encoding'] = torch.ones(1, 64, 8)  # an 8x8 grid
+    m.load_state_dict(sd)
+    torch.testing.assert_close(m.positional_encoding, torch.ones(1, 16, 8))

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root with the OpenMMLab stack flatten_mm supports.
+# Idempotent: a second run only checks a stamp and returns.
+# All version pins live here.
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.14.1
+TORCHVISION_VERSION=0.29.1
+MMENGINE_VERSION=0.10.7
+MMCV_VERSION=2.1.0
+MMDET_VERSION=3.3.0
+MMSEG_VERSION=1.2.2
+TIMM_VERSION=1.0.31
+NUMPY_VERSION=2.4.6
+PYCOCOTOOLS_VERSION=2.0.11
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=$ROOT/.venv
+PIP="$VENV/bin/python -m pip"
+export PIP_NO_WARN_SCRIPT_LOCATION=1
+STAMP=$VENV/.flatten_mm-install
+WANT=$(sha256sum "$0" "$ROOT/setup.py" | sha256sum | cut -c1-16)
+CACHE=${FLATTEN_MM_CACHE:-$HOME/.cache/flatten_mm}
+
+log() { printf '[install] %s\n' "$*"; }
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  log ".venv is up to date ($VENV)"
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+$PIP install -q --upgrade pip
+
+log "torch $TORCH_VERSION, torchvision $TORCHVISION_VERSION (CPU execution)"
+$PIP install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+
+log "build tools and pure-Python dependencies"
+$PIP install -q "setuptools<70" wheel ninja "numpy==$NUMPY_VERSION" \
+  "mmengine==$MMENGINE_VERSION" "timm==$TIMM_VERSION" "pycocotools==$PYCOCOTOOLS_VERSION" \
+  ftfy regex matplotlib opencv-python-headless pytest
+
+# mmcv 2.1.0 exists on PyPI only as source; its compiled ops (RoIAlign, NMS) are built here.
+# torch 2.14's headers need C++20, so the sdist's -std flag is raised before building.
+# The wheel is cached outside the repository, keyed by mmcv, torch and Python versions.
+PYTAG=$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+WHEEL_DIR=$CACHE/wheels/mmcv-$MMCV_VERSION-torch$TORCH_VERSION-$PYTAG
+if ! "$VENV/bin/python" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '$MMCV_VERSION'" 2>/dev/null; then
+  if ! ls "$WHEEL_DIR"/mmcv-*.whl >/dev/null 2>&1; then
+    BUILD=$(mktemp -d)
+    log "building mmcv $MMCV_VERSION with compiled ops (about 20 minutes on 2 cores)"
+    $PIP download -q --no-deps --no-build-isolation --no-binary :all: "mmcv==$MMCV_VERSION" -d "$BUILD"
+    tar -xzf "$BUILD"/mmcv-$MMCV_VERSION.tar.gz -C "$BUILD"
+    SRC=$BUILD/mmcv-$MMCV_VERSION
+    sed -i -e 's/-std=c++14/-std=c++20/g' -e 's/-std=c++17/-std=c++20/g' "$SRC/setup.py"
+    mkdir -p "$WHEEL_DIR"
+    (cd "$SRC" && MAX_JOBS=${MAX_JOBS:-2} MMCV_WITH_OPS=1 \
+      $PIP wheel -v --no-build-isolation --no-deps . -w "$WHEEL_DIR.tmp" >"$BUILD/build.log" 2>&1) &
+    pid=$!
+    start=$SECONDS
+    while kill -0 $pid 2>/dev/null; do
+      sleep 30
+      n=$(find "$SRC" -name '*.o' 2>/dev/null | wc -l)
+      log "  mmcv build: $n of ~77 objects compiled, $((SECONDS - start)) s"
+    done
+    if ! wait $pid; then
+      tail -n 40 "$BUILD/build.log"
+      log "mmcv build failed; full log: $BUILD/build.log"
+      exit 1
+    fi
+    mv "$WHEEL_DIR.tmp"/mmcv-*.whl "$WHEEL_DIR"/ && rmdir "$WHEEL_DIR.tmp"
+    rm -rf "$BUILD"
+  fi
+  log "installing mmcv from $WHEEL_DIR"
+  $PIP install -q --no-deps --force-reinstall "$WHEEL_DIR"/mmcv-*.whl
+  $PIP install -q "mmcv==$MMCV_VERSION" --find-links "$WHEEL_DIR" --no-index 2>/dev/null || true
+fi
+
+log "mmdet $MMDET_VERSION, mmsegmentation $MMSEG_VERSION"
+$PIP install -q "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION" \
+  "mmcv==$MMCV_VERSION" --find-links "$WHEEL_DIR"
+
+log "flatten_mm (editable)"
+$PIP install -q --no-build-isolation --no-deps -e "$ROOT" --config-settings editable_mode=compat
+
+"$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, timm, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'timm', timm.__version__)"
+echo "$WANT" > "$STAMP"
