@@ -11,7 +11,9 @@ placeholder absorbs the object's data and runs none of its code. Tensors come
 out intact; anything that is not a tensor of the state dict is dropped.
 """
 import os
+import pickle
 import re
+import types
 from typing import Callable, Dict, Iterable, Optional
 
 import torch
@@ -19,6 +21,17 @@ from mmengine.logging import print_log
 from torch import nn
 
 STATE_DICT_KEYS = ('model', 'state_dict', 'model_ema', 'module')
+# Pickled types that training scripts store beside the weights (configs,
+# argument namespaces, numpy scalars, mmengine's logs). Only these are read,
+# as inert placeholders; any other global refuses the file.
+TOLERATED_GLOBALS = (
+    r'yacs\.config\.CfgNode$',
+    r'argparse\.Namespace$',
+    r'numpy\.',
+    r'mmengine\.',
+    r'collections\.(OrderedDict|defaultdict)$',
+    r'builtins\.(set|frozenset)$',
+)
 STRIPPED_PREFIXES = ('module.', 'backbone.')
 
 
@@ -40,46 +53,80 @@ class ForeignObject(dict):
         return ForeignObject(*args, **kwargs)
 
 
-def _placeholder_globals(path: str) -> list:
-    """(placeholder, name) pairs for every global the file names that torch's
-    weights-only unpickler would refuse."""
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception as err:  # not a torch zip checkpoint
-        raise ValueError(f'{path}: not a readable torch checkpoint ({err})') from err
-    pairs = []
-    for name in names:
-        placeholder = type(name.rsplit('.', 1)[-1], (ForeignObject,), {})
-        pairs.append((placeholder, name))
-    return pairs
+def _torch_safe_globals() -> dict:
+    """What torch's own weights-only unpickler accepts ('module.name' -> object)."""
+    from torch import _weights_only_unpickler as wou
+    allowed = dict(wou._get_allowed_globals())
+    allowed.update(wou._get_user_allowed_globals())
+    return allowed
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """The pickle names a global that may run code."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only torch's safe globals and, for tolerated foreign types,
+    inert placeholders; anything else stops the load."""
+
+    def find_class(self, module: str, name: str):
+        full = f'{module}.{name}'
+        safe = _torch_safe_globals().get(full)
+        if safe is not None:
+            return safe
+        if any(re.match(p, full) for p in TOLERATED_GLOBALS):
+            self.placeholders.add(full)
+            return type(name, (ForeignObject,), {})
+        raise RefusedGlobal(
+            f'the pickle refers to {full}, which a checkpoint has no reason to '
+            'hold (it could run code). Only tensors, plain containers and these '
+            'stored types are accepted: '
+            + ', '.join(p.rstrip('$').replace('\\', '') for p in TOLERATED_GLOBALS))
+
+
+def _restricted_pickle_module():
+    module = types.ModuleType('flatten_mm_restricted_pickle')
+    module.__dict__.update({k: getattr(pickle, k) for k in ('load', 'loads', 'UnpicklingError')})
+    placeholders = set()
+
+    class Unpickler(_RestrictedUnpickler):
+        pass
+    Unpickler.placeholders = placeholders
+    module.Unpickler = Unpickler
+    module.placeholders = placeholders
+    return module
 
 
 def load_checkpoint_file(path: str) -> dict:
     """Read a checkpoint without executing pickled code.
 
+    Files torch's weights-only load accepts are read that way. Others are
+    read by a restricted unpickler: torch's safe globals resolve as usual,
+    the stored types of ``TOLERATED_GLOBALS`` become inert placeholders, and
+    any other global refuses the file.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not a torch checkpoint, or even the
-            placeholders cannot make it loadable.
+        ValueError: the file is not a torch checkpoint, or it refers to code.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f'checkpoint file not found: {path}')
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception:
+    except pickle.UnpicklingError:
         pass
-    pairs = _placeholder_globals(path)
-    try:
-        with torch.serialization.safe_globals(pairs):
-            obj = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as err:
-        raise ValueError(
-            f'{path}: refused to load: it needs code that a weights-only load '
-            f'may not run ({err}). Only tensors and plain containers are '
-            'accepted.') from err
-    names = ', '.join(name for _, name in pairs)
-    print_log(f'{path}: ignored pickled objects of foreign types ({names}); '
-              'tensors were loaded', logger='current')
+        raise ValueError(f'{path}: not a readable torch checkpoint ({err})') from err
+    module = _restricted_pickle_module()
+    try:
+        obj = torch.load(path, map_location='cpu', weights_only=False, pickle_module=module)
+    except RefusedGlobal as err:
+        raise ValueError(f'{path}: refused to load: {err}') from None
+    except Exception as err:
+        raise ValueError(f'{path}: not a readable torch checkpoint ({err})') from err
+    print_log(f'{path}: ignored pickled objects of foreign types '
+              f'({", ".join(sorted(module.placeholders))}); tensors were loaded',
+              logger='current')
     return obj
 
 

@@ -98,6 +98,26 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     return grid.flatten(2).transpose(1, 2)
 
 
+def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNorm
+                   ) -> Tuple[Tensor, HWShape]:
+    """PVT's key/value reduction: strided conv + LayerNorm on a (B, N, C) map.
+
+    A map whose sides are not multiples of the stride is first extended by
+    replicating its last row/column, so every pixel is summarised (the
+    release, at its fixed training size, never needed this) and maps smaller
+    than the stride still give one key.
+    """
+    B, N, C = x.shape
+    ratio = sr.stride[0]
+    x = x.transpose(1, 2).reshape(B, C, hw_shape[0], hw_shape[1])
+    pad_h, pad_w = -hw_shape[0] % ratio, -hw_shape[1] % ratio
+    if pad_h or pad_w:
+        x = F.pad(x, (0, pad_w, 0, pad_h), mode='replicate')
+    x = sr(x)
+    grid = (x.shape[2], x.shape[3])
+    return norm(x.flatten(2).transpose(1, 2)), grid
+
+
 class FocusedLinearAttention(nn.Module):
     """Focused linear attention with depth-wise-conv rank restoration.
 
@@ -177,30 +197,18 @@ class FocusedLinearAttention(nn.Module):
                 f'sr_ratio={self.sr_ratio}, focusing_factor={self.focusing_factor}, '
                 f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}')
 
-    def key_grid(self, hw_shape: HWShape) -> HWShape:
-        """The (h, w) grid of keys for queries on ``hw_shape``."""
-        if self.sr_ratio == 1:
-            return tuple(hw_shape)
-        return (hw_shape[0] // self.sr_ratio, hw_shape[1] // self.sr_ratio)
-
     def positional_encoding_for(self, grid: HWShape) -> Tensor:
         """The positional encoding resized to a key grid, (1, h*w, C)."""
         return resize_tokens(self.positional_encoding, self.pos_grid, grid)
 
     def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:
         """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid."""
-        B, N, C = x.shape
         q = self.q(x)
-        grid = self.key_grid(hw_shape)
         if self.sr_ratio > 1:
-            if min(grid) < 1:
-                raise ValueError(f'feature map {tuple(hw_shape)} is smaller than '
-                                 f'sr_ratio={self.sr_ratio}')
-            x_ = x.transpose(1, 2).reshape(B, C, hw_shape[0], hw_shape[1])
-            x_ = self.norm(self.sr(x_).flatten(2).transpose(1, 2))
+            x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
         else:
-            x_ = x
-        k, v = self.kv(x_).chunk(2, dim=-1)
+            grid = tuple(hw_shape)
+        k, v = self.kv(x).chunk(2, dim=-1)
         k = k + self.positional_encoding_for(grid)
         return q, k, v, grid
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import HWShape, check_positive_int
+from .attention import HWShape, check_positive_int, spatial_reduce
 
 ATTN_TYPES = ('L', 'S')
 
@@ -26,6 +26,11 @@ def check_stage_list(name: str, values, num_stages: int) -> list:
         raise ValueError(f'{name} must have {num_stages} entries (one per stage), '
                          f'got {values!r}')
     return values
+
+
+def drop_path_rates(rate: float, num_blocks: int) -> list:
+    """Stochastic depth rising linearly from 0 to ``rate`` over the blocks."""
+    return [rate * i / max(num_blocks - 1, 1) for i in range(num_blocks)]
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
@@ -109,10 +114,7 @@ class SpatialReductionAttention(nn.Module):
         h = self.num_heads
         q = self.q(x).view(B, N, h, C // h).transpose(1, 2)
         if self.sr_ratio > 1:
-            if min(hw_shape) < self.sr_ratio:
-                raise ValueError(f'feature map {tuple(hw_shape)} is smaller than '
-                                 f'sr_ratio={self.sr_ratio}')
-            x = self.norm(self.sr(tokens_to_map(x, hw_shape)).flatten(2).transpose(1, 2))
+            x, _ = spatial_reduce(x, hw_shape, self.sr, self.norm)
         k, v = self.kv(x).view(B, -1, 2, h, C // h).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0.)

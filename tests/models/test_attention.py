@@ -20,9 +20,11 @@ def explicit_attention(m, x, hw):
     h, d = m.num_heads, m.head_dims
     q = m.q(x)
     if m.sr_ratio > 1:
+        r = m.sr_ratio
         xm = x.transpose(1, 2).reshape(B, C, *hw)
+        xm = F.pad(xm, (0, -hw[1] % r, 0, -hw[0] % r), mode='replicate')
         kx = m.norm(m.sr(xm).flatten(2).transpose(1, 2))
-        grid = (hw[0] // m.sr_ratio, hw[1] // m.sr_ratio)
+        grid = (-(-hw[0] // r), -(-hw[1] // r))
     else:
         kx, grid = x, hw
     kv = m.kv(kx)
@@ -56,7 +58,8 @@ def explicit_attention(m, x, hw):
 
 
 @pytest.mark.parametrize('heads,sr,hw', [(1, 1, (6, 7)), (4, 1, (9, 5)), (1, 2, (8, 10)),
-                                         (4, 2, (12, 14)), (2, 3, (9, 9))])
+                                         (4, 2, (12, 14)), (2, 3, (9, 9)),
+                                         (2, 2, (7, 9)), (1, 4, (3, 2))])
 def test_linear_form_equals_explicit_matrix(heads, sr, hw):
     m = make_module(C=32, heads=heads, sr=sr, grid=(4, 5))
     x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64)

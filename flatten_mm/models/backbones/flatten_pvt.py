@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention, HWShape, resize_tokens, to_2tuple_checked
-from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type,
+from ..layers import (DropPath, drop_path_rates, Mlp, SpatialReductionAttention, check_attn_type,
                       check_stage_list)
 from .base import FLattenBackbone
 
@@ -136,7 +136,7 @@ class FLattenPyramid(FLattenBackbone):
 
         # the token grid of each stage at the pretraining resolution
         self.pos_grids = [(img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i)) for i in range(4)]
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
         cur = 0
         in_dims = in_channels
         for i in range(4):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention, HWShape, check_positive_int, to_2tuple_checked
-from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, check_attn_type,
+from ..layers import (DropPath, drop_path_rates, Mlp, WindowSoftmaxAttention, check_attn_type,
                       check_stage_list, window_merge, window_partition)
 from .base import FLattenBackbone
 from .flatten_pvt import PatchEmbed
@@ -194,7 +194,7 @@ class FLattenSwin(FLattenBackbone):
 
         self.patch_embed = PatchEmbed(in_channels, base_dims, 4, 4)
         self.pos_drop = nn.Dropout(drop_rate)
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList()
         for i in range(4):
             grid = (img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i))

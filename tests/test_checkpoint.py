@@ -1,0 +1,89 @@
+import os
+import pickle
+
+import pytest
+import torch
+
+from flatten_mm import FLattenPVT, load_checkpoint_file
+from flatten_mm.checkpoint import extract_state_dict
+
+from official_format import write_official_checkpoint
+
+
+def test_release_file_with_pickled_config_loads_tensors(tmp_path):
+    path = str(tmp_path / 'flatten_pvt_t.pth')
+    model = write_official_checkpoint(path, 'flatten_pvt_tiny', with_config=True)
+    # torch's default refuses it ...
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    # ... our loader takes the tensors
+    ckpt = load_checkpoint_file(path)
+    sd = extract_state_dict(ckpt)
+    assert ckpt['epoch'] == 299
+    torch.testing.assert_close(sd['head.weight'], model.head.weight)
+    assert len(sd) == len(model.state_dict())
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ('touch exploited_marker',))
+
+
+def test_tampered_pickle_is_refused_not_executed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / 'evil.pth')
+    torch.save({'model': {'w': torch.zeros(1)}, 'payload': Exploit()}, path)
+    with pytest.raises(ValueError, match=r'refused to load: the pickle refers to (posix|os)\.system'):
+        load_checkpoint_file(path)
+    assert not (tmp_path / 'exploited_marker').exists()
+
+
+def test_missing_and_non_checkpoint_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match='nope.pth'):
+        load_checkpoint_file(str(tmp_path / 'nope.pth'))
+    bad = tmp_path / 'text.pth'
+    bad.write_text('not a checkpoint')
+    with pytest.raises(ValueError, match='not a readable torch checkpoint'):
+        load_checkpoint_file(str(bad))
+
+
+def test_prefixes_and_nesting_are_handled():
+    sd = extract_state_dict({'state_dict': {'backbone.a': torch.ones(1), 'meta': 3}})
+    assert list(sd) == ['a']
+    with pytest.raises(ValueError, match='no tensors'):
+        extract_state_dict({'model': {'x': 1}})
+
+
+def test_pretrained_init_changes_weights_and_logs(tmp_path):
+    path = str(tmp_path / 'pvt_t.pth')
+    model = write_official_checkpoint(path, 'flatten_pvt_tiny', with_config=True)
+    dense = FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint=path))
+    before = dense.block1[0].attn.scale.clone()
+    dense.init_weights()
+    assert not torch.equal(before, dense.block1[0].attn.scale)
+    torch.testing.assert_close(dense.block1[0].attn.scale, model.block1[0].attn.scale)
+    torch.testing.assert_close(dense.pos_embed3, model.pos_embed3)
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    path = str(tmp_path / 'swin_t.pth')
+    write_official_checkpoint(path, 'flatten_swin_tiny')
+    dense = FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint=path))
+    with pytest.raises(ValueError, match='does not fit FLattenPVT: .*weights of the model are not '
+                                         'in the checkpoint .*patch_embed1'):
+        dense.init_weights()
+    path = str(tmp_path / 'pvt_s.pth')
+    write_official_checkpoint(path, 'flatten_pvt_small')
+    dense = FLattenPVT(arch='tiny', init_cfg=dict(type='Pretrained', checkpoint=path))
+    with pytest.raises(ValueError, match=r'have no place in the model \(block1\.2\.'):
+        dense.init_weights()
+    dense = FLattenPVT(arch='tiny', embed_dims=[32, 64, 160, 256],
+                       init_cfg=dict(type='Pretrained', checkpoint=path))
+    with pytest.raises(ValueError, match='size mismatch for patch_embed1.proj.weight'):
+        dense.init_weights()
+
+
+def test_missing_pretrained_file_is_named():
+    dense = FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint='/no/such/flatten.pth'))
+    with pytest.raises(FileNotFoundError, match='/no/such/flatten.pth'):
+        dense.init_weights()
