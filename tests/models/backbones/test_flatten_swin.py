@@ -1,0 +1,131 @@
+import pytest
+import torch
+
+from flatten_mm import FLattenSwin
+from flatten_mm.models.backbones.flatten_swin import SwinBlock
+from flatten_mm.models.layers import window_merge, window_partition
+
+
+def small_swin(**kw):
+    kw.setdefault('embed_dims', 16)
+    kw.setdefault('num_heads', [1, 2, 2, 4])
+    kw.setdefault('depths', [2, 2, 2, 2])
+    m = FLattenSwin(**kw)
+    m.init_weights()
+    return m
+
+
+@pytest.mark.parametrize('kw', [{}, dict(linear_window=7), dict(attn_type='SSSS'),
+                                dict(attn_type='LLLL', linear_window=5)])
+@pytest.mark.parametrize('hw', [(97, 131), (64, 64), (13, 6)])
+def test_any_input_size(kw, hw):
+    m = small_swin(**kw).eval()
+    with torch.no_grad():
+        outs = m(torch.randn(2, 3, *hw))
+    assert [o.shape[1] for o in outs] == [16, 32, 64, 128]
+    for o, s in zip(outs, (4, 8, 16, 32)):
+        assert tuple(o.shape[2:]) == (-(-hw[0] // s), -(-hw[1] // s))
+        assert torch.isfinite(o).all()
+
+
+def test_partition_round_trip():
+    x = torch.randn(2, 10, 13, 4)
+    windows, mask, layout = window_partition(x, (7, 7), (4, 4))
+    assert windows.shape == (2 * 2 * 3, 49, 4)  # (4 + 10) x (4 + 13 + 4) padded
+    assert mask.sum() == 2 * 10 * 13
+    assert torch.equal(window_merge(windows, (7, 7), (10, 13), layout), x)
+
+
+@pytest.mark.parametrize('attn_type', ['L', 'S'])
+def test_shifted_windows_never_join_opposite_borders(attn_type):
+    """Swin's cyclic shift puts the top-left and bottom-right corners in one
+    window; the release's linear blocks then let them attend to each other."""
+    block = SwinBlock(16, 2, attn_type, window=(7, 7), shift=True, pos_grid=(7, 7),
+                      focusing_factor=3, kernel_size=5).eval()
+    H = W = 14
+    x = torch.randn(1, H * W, 16)
+    y = x.clone()
+    y[0, 0] += 10.0  # perturb the top-left token
+    with torch.no_grad():
+        d = (block(y, (H, W)) - block(x, (H, W))).abs().sum(-1).view(H, W)
+    assert d[0, 0] > 0
+    # the shifted window of (0, 0) holds rows/cols 0..2 only
+    assert d[3:].abs().max() == 0 and d[:, 3:].abs().max() == 0
+
+
+def test_linear_window_padding_does_not_leak():
+    """A 9x9 map in 7x7 windows: the top-left window equals the same
+    attention run on the 7x7 crop alone; padded tokens change nothing."""
+    block = SwinBlock(16, 2, 'L', window=(7, 7), shift=False, pos_grid=(7, 7),
+                      focusing_factor=3, kernel_size=5).eval()
+    x = torch.randn(1, 9, 9, 16)
+    with torch.no_grad():
+        full = block.attention(x.reshape(1, 81, 16), (9, 9)).view(9, 9, 16)
+        crop = block.attn(x[:, :7, :7].reshape(1, 49, 16), (7, 7)).view(7, 7, 16)
+        corner = block.attn(x[:, 7:, 7:].reshape(1, 4, 16), (2, 2))
+    torch.testing.assert_close(full[:7, :7], crop, rtol=1e-5, atol=1e-6)
+    assert corner.shape == (1, 4, 16) and torch.isfinite(full).all()
+
+
+def test_softmax_window_on_small_map_equals_unpadded_window():
+    block = SwinBlock(16, 2, 'S', window=(7, 7), shift=True, pos_grid=(7, 7),
+                      focusing_factor=3, kernel_size=5).eval()
+    torch.nn.init.normal_(block.attn.relative_position_bias_table)
+    x = torch.randn(1, 5 * 4, 16)
+    with torch.no_grad():
+        got = block.attention(x, (5, 4))
+        # explicit: attention among the 20 real tokens with the bias sub-table
+        attn = block.attn
+        q, k, v = attn.qkv(x).view(1, 20, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        idx = torch.tensor([r * 7 + c for r in range(5) for c in range(4)])
+        bias = attn.relative_position_bias_table[
+            attn.relative_position_index[idx][:, idx].reshape(-1)].view(20, 20, 2).permute(2, 0, 1)
+        a = ((q @ k.transpose(-2, -1)) * 8 ** -0.5 + bias).softmax(-1)
+        want = attn.proj((a @ v).transpose(1, 2).reshape(1, 20, 16))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_frozen_and_cp():
+    m = small_swin(drop_path_rate=0., frozen_stages=1)
+    m.train()
+    assert not any(p.requires_grad for p in m.patch_embed.parameters())
+    assert not any(p.requires_grad for p in m.layers[0].parameters())
+    outs = m(torch.randn(2, 3, 64, 64))
+    sum(o.square().mean() for o in outs).backward()
+    for name, p in m.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    a = small_swin(drop_path_rate=0.)
+    b = small_swin(drop_path_rate=0., with_cp=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    for mm in (a, b):
+        sum(o.square().sum() for o in mm(x)).backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(arch='large'), r"arch must be one of \['base', 'small', 'tiny'\], got 'large'"),
+    (dict(attn_type='LLS'), 'attn_type must be a string of 4 letters'),
+    (dict(attn_type='llss'), 'attn_type must be a string of 4 letters'),
+    (dict(num_heads=[3, 6, 12, 25]), 'divisible by num_heads'),
+    (dict(kernel_size=6), 'kernel_size must be odd'),
+    (dict(window_size=0), 'window_size must be an int >= 1'),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FLattenSwin(**kwargs)
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_autocast_scaled_inputs_are_finite(dtype):
+    m = small_swin().eval()
+    x = torch.randn(1, 3, 64, 64) * 100
+    with torch.no_grad():
+        ref = m(x)
+        with torch.autocast('cpu', dtype=dtype):
+            outs = m(x)
+    for o, r in zip(outs, ref):
+        assert torch.isfinite(o).all()
+        assert ((o.float() - r).norm() / r.norm()).item() < 0.05
