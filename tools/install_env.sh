@@ -17,10 +17,14 @@ PYCOCOTOOLS_VERSION=2.0.11
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=$ROOT/.venv
-PIP="$VENV/bin/python -m pip"
+PIP="pip_quiet"
+# pip, without the notes about this machine's local indexes and setuptools' banners
+pip_quiet() {
+  "$VENV/bin/python" -m pip "$@" 2> >(grep -v -e 'is ignored: it is neither' -e 'BuildBackendWarning' >&2)
+}
 export PIP_NO_WARN_SCRIPT_LOCATION=1
 STAMP=$VENV/.flatten_mm-install
-WANT=$(sha256sum "$0" "$ROOT/setup.py" | sha256sum | cut -c1-16)
+WANT=$(cat "$ROOT/tools/install_env.sh" "$ROOT/setup.py" | sha256sum | cut -c1-16)
 CACHE=${FLATTEN_MM_CACHE:-$HOME/.cache/flatten_mm}
 
 log() { printf '[install] %s\n' "$*"; }
@@ -77,7 +81,6 @@ if ! "$VENV/bin/python" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '$
   fi
   log "installing mmcv from $WHEEL_DIR"
   $PIP install -q --no-deps --force-reinstall "$WHEEL_DIR"/mmcv-*.whl
-  $PIP install -q "mmcv==$MMCV_VERSION" --find-links "$WHEEL_DIR" --no-index 2>/dev/null || true
 fi
 
 log "mmdet $MMDET_VERSION, mmsegmentation $MMSEG_VERSION"
@@ -85,7 +88,8 @@ $PIP install -q "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION" \
   "mmcv==$MMCV_VERSION" --find-links "$WHEEL_DIR"
 
 log "flatten_mm (editable)"
-$PIP install -q --no-build-isolation --no-deps -e "$ROOT" --config-settings editable_mode=compat
+PYTHONWARNINGS=ignore $PIP install -q --no-build-isolation --no-deps -e "$ROOT" \
+  --config-settings editable_mode=compat 2>/dev/null
 
 "$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, timm, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'timm', timm.__version__)"
 echo "$WANT" > "$STAMP"
