@@ -1,0 +1,4 @@
+# Semantic FPN with FLatten-PVT-M on ADE20K. No ImageNet weights were released
+# for FLatten-PVT-M: pretrain them with timm (flatten_pvt_medium, see the README).
+_base_ = './fpn_flatten-pvt-t_4xb4-80k_ade20k-512x512.py'
+model = dict(backbone=dict(arch='medium', init_cfg=None))
