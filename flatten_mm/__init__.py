@@ -3,10 +3,11 @@ mmdet, mmsegmentation and timm.
 
 Importing the package registers ``FLattenPVT``, ``FLattenPVTv2`` and
 ``FLattenSwin`` in mmdet's and mmseg's ``MODELS`` (whichever is installed) and
-the ImageNet classifiers in timm, so ``custom_imports=dict(imports=['flatten_mm'])``
+the ImageNet classifiers in timm, and lets mmengine load its own checkpoints
+under torch >= 2.6 (see :func:`flatten_mm.checkpoint.patch_mmengine_loading`), so ``custom_imports=dict(imports=['flatten_mm'])``
 in a config is all an OpenMMLab project needs.
 """
-from .checkpoint import load_checkpoint_file, load_pretrained
+from .checkpoint import load_checkpoint_file, load_pretrained, patch_mmengine_loading
 from .models import (FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention,
                      focusing_map, linear_attention)
 from .registry import register_openmmlab, register_timm
@@ -14,6 +15,7 @@ from .version import __version__
 
 register_openmmlab()
 register_timm()
+patch_mmengine_loading()
 
 __all__ = ['__version__', 'FocusedLinearAttention', 'focusing_map', 'linear_attention',
            'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'load_checkpoint_file',

@@ -10,6 +10,7 @@ unpickler, standing in an inert placeholder for each foreign class: the
 placeholder absorbs the object's data and runs none of its code. Tensors come
 out intact; anything that is not a tensor of the state dict is dropped.
 """
+import importlib
 import os
 import pickle
 import re
@@ -21,16 +22,23 @@ from mmengine.logging import print_log
 from torch import nn
 
 STATE_DICT_KEYS = ('model', 'state_dict', 'model_ema', 'module')
-# Pickled types that training scripts store beside the weights (configs,
-# argument namespaces, numpy scalars, mmengine's logs). Only these are read,
-# as inert placeholders; any other global refuses the file.
+# Data types that training scripts pickle beside the weights and that are
+# rebuilt for real: numpy arrays and scalars, and what mmengine stores in its
+# checkpoints (message-hub history buffers, configs). None of them runs code
+# when rebuilt.
+REAL_GLOBALS = (
+    r'numpy\.(_core|core)\.multiarray\.(_reconstruct|scalar)$',
+    r'numpy\.(ndarray|dtype)$',
+    r'numpy\.dtypes\.\w+DType$',
+    r'mmengine\.logging\.history_buffer\.HistoryBuffer$',
+    r'mmengine\.config\.config\.ConfigDict$',
+    r'collections\.(OrderedDict|defaultdict)$',
+    r'builtins\.(set|frozenset|slice)$',
+)
+# Foreign types read as inert placeholders (their code is not run).
 TOLERATED_GLOBALS = (
     r'yacs\.config\.CfgNode$',
     r'argparse\.Namespace$',
-    r'numpy\.',
-    r'mmengine\.',
-    r'collections\.(OrderedDict|defaultdict)$',
-    r'builtins\.(set|frozenset)$',
 )
 STRIPPED_PREFIXES = ('module.', 'backbone.')
 
@@ -65,23 +73,49 @@ class RefusedGlobal(pickle.UnpicklingError):
     """The pickle names a global that may run code."""
 
 
+def _matches_any(name: str, patterns) -> bool:
+    return any(re.match(p, name) for p in patterns)
+
+
+def _allowed_names() -> str:
+    return ', '.join(p.rstrip('$').replace('\\', '')
+                     for p in REAL_GLOBALS + TOLERATED_GLOBALS)
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only torch's safe globals and, for tolerated foreign types,
-    inert placeholders; anything else stops the load."""
+    """Resolves torch's safe globals, the data types of ``REAL_GLOBALS`` and,
+    for ``TOLERATED_GLOBALS``, inert placeholders; anything else stops the load.
+
+    ``getattr`` (pickle's way to name a class attribute, e.g. the statistics
+    methods mmengine's HistoryBuffer keeps) is allowed on those data types only.
+    """
+    placeholders: set
 
     def find_class(self, module: str, name: str):
         full = f'{module}.{name}'
         safe = _torch_safe_globals().get(full)
         if safe is not None:
             return safe
-        if any(re.match(p, full) for p in TOLERATED_GLOBALS):
+        if _matches_any(full, REAL_GLOBALS):
+            return getattr(importlib.import_module(module), name)
+        if full in ('builtins.getattr', '__builtin__.getattr'):
+            return _guarded_getattr
+        if _matches_any(full, TOLERATED_GLOBALS):
             self.placeholders.add(full)
             return type(name, (ForeignObject,), {})
         raise RefusedGlobal(
             f'the pickle refers to {full}, which a checkpoint has no reason to '
             'hold (it could run code). Only tensors, plain containers and these '
-            'stored types are accepted: '
-            + ', '.join(p.rstrip('$').replace('\\', '') for p in TOLERATED_GLOBALS))
+            f'stored types are accepted: {_allowed_names()}')
+
+
+def _guarded_getattr(obj, name: str):
+    owner = obj if isinstance(obj, type) else type(obj)
+    full = f'{owner.__module__}.{owner.__qualname__}'
+    if name.startswith('_') or not _matches_any(full, REAL_GLOBALS):
+        raise RefusedGlobal(f'the pickle asks for {full}.{name}, which a checkpoint '
+                            'has no reason to hold (it could run code)')
+    return getattr(obj, name)
 
 
 def _restricted_pickle_module():
@@ -97,7 +131,7 @@ def _restricted_pickle_module():
     return module
 
 
-def load_checkpoint_file(path: str) -> dict:
+def load_checkpoint_file(path: str, map_location='cpu') -> dict:
     """Read a checkpoint without executing pickled code.
 
     Files torch's weights-only load accepts are read that way. Others are
@@ -112,22 +146,44 @@ def load_checkpoint_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f'checkpoint file not found: {path}')
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         pass
     except Exception as err:
         raise ValueError(f'{path}: not a readable torch checkpoint ({err})') from err
     module = _restricted_pickle_module()
     try:
-        obj = torch.load(path, map_location='cpu', weights_only=False, pickle_module=module)
+        obj = torch.load(path, map_location=map_location, weights_only=False,
+                         pickle_module=module)
     except RefusedGlobal as err:
         raise ValueError(f'{path}: refused to load: {err}') from None
     except Exception as err:
         raise ValueError(f'{path}: not a readable torch checkpoint ({err})') from err
-    print_log(f'{path}: ignored pickled objects of foreign types '
-              f'({", ".join(sorted(module.placeholders))}); tensors were loaded',
-              logger='current')
+    if module.placeholders:
+        print_log(f'{path}: ignored pickled objects of foreign types '
+                  f'({", ".join(sorted(module.placeholders))}); tensors were loaded',
+                  logger='current')
     return obj
+
+
+def patch_mmengine_loading() -> bool:
+    """Make mmengine read local checkpoints through :func:`load_checkpoint_file`.
+
+    mmengine 0.10 calls ``torch.load`` with torch's default, which since torch
+    2.6 is ``weights_only=True``, and its own checkpoints (numpy values and
+    history buffers in the message hub) then fail to load: ``--resume``,
+    ``load_from`` and ``tools/test.py CKPT`` break. The restricted loader reads
+    them and still refuses pickles that name code. Returns False without mmengine.
+    """
+    try:
+        from mmengine.runner.checkpoint import CheckpointLoader
+    except ImportError:
+        return False
+
+    def load_from_local(filename, map_location):
+        return load_checkpoint_file(os.path.expanduser(filename), map_location)
+    CheckpointLoader.register_scheme(prefixes='', loader=load_from_local, force=True)
+    return True
 
 
 def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:

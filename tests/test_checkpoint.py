@@ -87,3 +87,43 @@ def test_missing_pretrained_file_is_named():
     dense = FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint='/no/such/flatten.pth'))
     with pytest.raises(FileNotFoundError, match='/no/such/flatten.pth'):
         dense.init_weights()
+
+
+def test_mmengine_checkpoints_load_under_torch_defaults(tmp_path):
+    """mmengine stores numpy values and HistoryBuffers; torch >= 2.6 refuses
+    them by default. After importing flatten_mm, mmengine's loaders read them."""
+    import numpy as np
+    from mmengine.logging import HistoryBuffer, MessageHub
+    from mmengine.runner import load_checkpoint
+    from mmengine.runner.checkpoint import _load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    hub = MessageHub.get_instance('flatten_mm_test')
+    hub.update_scalar('train/loss', np.float64(0.5))
+    path = str(tmp_path / 'iter_1.pth')
+    save_checkpoint({'meta': {'iter': np.int64(1), 'seed': np.array([3])},
+                     'state_dict': model.state_dict(),
+                     'message_hub': hub.state_dict()}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path)
+    ckpt = _load_checkpoint(path)
+    buf = ckpt['message_hub']['log_scalars']['train/loss']
+    assert isinstance(buf, HistoryBuffer) and buf.current() == 0.5
+    assert ckpt['meta']['iter'] == 1
+    other = torch.nn.Linear(3, 2)
+    load_checkpoint(other, path)
+    torch.testing.assert_close(other.weight, model.weight)
+
+
+class SneakyAttr:
+    def __reduce__(self):
+        from mmengine.logging import HistoryBuffer
+        return (getattr, (HistoryBuffer, '__init_subclass__'))
+
+
+def test_getattr_is_limited_to_data_methods(tmp_path):
+    path = str(tmp_path / 'sneaky.pth')
+    torch.save({'state_dict': {'w': torch.zeros(1)}, 'x': SneakyAttr()}, path)
+    with pytest.raises(ValueError, match='refused to load: the pickle asks for '
+                                         'mmengine.logging.history_buffer.HistoryBuffer.__init_subclass__'):
+        load_checkpoint_file(path)
