@@ -18,6 +18,7 @@ def parse_args(argv=None):
     parser.add_argument('--work-dir', help='directory for the evaluation logs')
     parser.add_argument('--show-dir', help='write pictures of the predictions '
                         'under WORK_DIR/TIMESTAMP/SHOW_DIR')
+    parser.add_argument('--metrics-out', help='also write the metrics to this JSON file')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config entries')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
@@ -49,7 +50,12 @@ def main(argv=None):
         if 'interval' in hook:
             hook.interval = 1
     runner = Runner.from_cfg(cfg)
-    runner.test()
+    metrics = runner.test()
+    if args.metrics_out:
+        import json
+        with open(args.metrics_out, 'w') as f:
+            json.dump({k: float(v) for k, v in metrics.items()}, f, indent=1)
+    return metrics
 
 
 if __name__ == '__main__':

@@ -55,8 +55,8 @@ dataset = dict(
     reduce_zero_label=False)
 train_dataloader = dict(
     batch_size=8,
-    num_workers=2,
-    persistent_workers=True,
+    num_workers=0,
+    persistent_workers=False,
     sampler=dict(type='InfiniteSampler', shuffle=True),
     dataset=dict(**dataset,
                  data_prefix=dict(img_path='images/training',
@@ -64,8 +64,8 @@ train_dataloader = dict(
                  pipeline=train_pipeline))
 val_dataloader = dict(
     batch_size=8,
-    num_workers=2,
-    persistent_workers=True,
+    num_workers=0,
+    persistent_workers=False,
     sampler=dict(type='DefaultSampler', shuffle=False),
     dataset=dict(**dataset,
                  data_prefix=dict(img_path='images/validation',

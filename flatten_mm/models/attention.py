@@ -118,6 +118,20 @@ def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNo
     return norm(x.flatten(2).transpose(1, 2)), grid
 
 
+def add_projections(module: nn.Module, embed_dims: int, qkv_bias: bool,
+                    sr_ratio: int, proj_drop: float) -> None:
+    """The projections PVT-style attention layers share, named as released:
+    ``q``, ``kv``, ``proj`` (+ dropout), and with ``sr_ratio > 1`` the key/value
+    reduction ``sr`` (strided conv) and ``norm``."""
+    module.q = nn.Linear(embed_dims, embed_dims, bias=qkv_bias)
+    module.kv = nn.Linear(embed_dims, embed_dims * 2, bias=qkv_bias)
+    module.proj = nn.Linear(embed_dims, embed_dims)
+    module.proj_drop = nn.Dropout(proj_drop)
+    if sr_ratio > 1:
+        module.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
+        module.norm = nn.LayerNorm(embed_dims)
+
+
 class FocusedLinearAttention(nn.Module):
     """Focused linear attention with depth-wise-conv rank restoration.
 
@@ -177,13 +191,7 @@ class FocusedLinearAttention(nn.Module):
         self.kernel_size = kernel_size
         self.pos_grid = to_2tuple_checked('pos_grid', pos_grid)
 
-        self.q = nn.Linear(embed_dims, embed_dims, bias=qkv_bias)
-        self.kv = nn.Linear(embed_dims, embed_dims * 2, bias=qkv_bias)
-        self.proj = nn.Linear(embed_dims, embed_dims)
-        self.proj_drop = nn.Dropout(proj_drop)
-        if sr_ratio > 1:
-            self.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
-            self.norm = nn.LayerNorm(embed_dims)
+        add_projections(self, embed_dims, qkv_bias, sr_ratio, proj_drop)
         # one depth-wise conv of d channels, shared by all heads
         self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size,
                              padding=kernel_size // 2, groups=self.head_dims)

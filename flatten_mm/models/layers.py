@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import HWShape, check_positive_int, spatial_reduce
+from .attention import HWShape, add_projections, check_positive_int, spatial_reduce
 
 ATTN_TYPES = ('L', 'S')
 
@@ -20,11 +20,15 @@ def check_attn_type(attn_type: str, num_stages: int) -> str:
     return attn_type
 
 
-def check_stage_list(name: str, values, num_stages: int) -> list:
+def check_stage_list(name: str, values, num_stages: int, positive_ints: bool = False) -> list:
+    """Validate a per-stage list (optionally of positive ints)."""
     values = list(values)
     if len(values) != num_stages:
         raise ValueError(f'{name} must have {num_stages} entries (one per stage), '
                          f'got {values!r}')
+    if positive_ints and any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                             for v in values):
+        raise ValueError(f'{name} must be positive ints, got {values!r}')
     return values
 
 
@@ -101,13 +105,7 @@ class SpatialReductionAttention(nn.Module):
         self.num_heads = num_heads
         self.sr_ratio = check_positive_int('sr_ratio', sr_ratio)
         self.attn_drop = attn_drop
-        self.q = nn.Linear(embed_dims, embed_dims, bias=qkv_bias)
-        self.kv = nn.Linear(embed_dims, embed_dims * 2, bias=qkv_bias)
-        self.proj = nn.Linear(embed_dims, embed_dims)
-        self.proj_drop = nn.Dropout(proj_drop)
-        if sr_ratio > 1:
-            self.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
-            self.norm = nn.LayerNorm(embed_dims)
+        add_projections(self, embed_dims, qkv_bias, sr_ratio, proj_drop)
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
         B, N, C = x.shape

@@ -22,6 +22,16 @@ class FLattenBackbone(BaseModule):
     ignore_unexpected: Sequence[str] = (r'head\.',)
     ignore_missing: Sequence[str] = ()
 
+    arch_zoo: dict = {}
+
+    def arch_settings(self, arch: str, **overrides) -> dict:
+        """The preset of ``arch`` with the non-None ``overrides`` applied."""
+        if arch not in self.arch_zoo:
+            raise ValueError(f'arch must be one of {sorted(self.arch_zoo)}, got {arch!r}')
+        settings = dict(self.arch_zoo[arch])
+        settings.update({k: v for k, v in overrides.items() if v is not None})
+        return settings
+
     def _setup_common(self, out_indices, frozen_stages: int, norm_eval: bool,
                       with_cp: bool, num_stages: int = 4):
         out_indices = tuple(out_indices)
@@ -92,8 +102,9 @@ class FLattenBackbone(BaseModule):
                             self.ignore_unexpected, self.ignore_missing)
             self._is_init = True
             return
+        # the release's initialisation, then any initialisers of init_cfg on top
+        self.default_init()
         if self.init_cfg is None:
-            self.default_init()
             self._is_init = True
             return
         super().init_weights()

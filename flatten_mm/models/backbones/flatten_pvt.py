@@ -82,7 +82,6 @@ class FLattenPyramid(FLattenBackbone):
     Subclasses set ``arch_zoo`` and ``version`` (1 or 2). See
     :class:`FLattenPVT` for the arguments.
     """
-    arch_zoo: dict = {}
     version: int = 1
 
     def __init__(self,
@@ -107,22 +106,16 @@ class FLattenPyramid(FLattenBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None):
         super().__init__(init_cfg=init_cfg)
-        if arch not in self.arch_zoo:
-            raise ValueError(f'arch must be one of {sorted(self.arch_zoo)}, got {arch!r}')
-        preset = self.arch_zoo[arch]
-        embed_dims = check_stage_list('embed_dims', embed_dims or preset['embed_dims'], 4)
-        depths = check_stage_list('depths', depths or preset['depths'], 4)
-        num_heads = check_stage_list('num_heads', num_heads or preset['num_heads'], 4)
-        mlp_ratios = check_stage_list('mlp_ratios', mlp_ratios or preset['mlp_ratios'], 4)
+        preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
+                                    num_heads=num_heads, mlp_ratios=mlp_ratios)
+        embed_dims = check_stage_list('embed_dims', preset['embed_dims'], 4, positive_ints=True)
+        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
+        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
+        mlp_ratios = check_stage_list('mlp_ratios', preset['mlp_ratios'], 4)
         attn_type = check_attn_type(attn_type, 4)
         if sr_ratios is None:
             sr_ratios = [1 if t == 'L' else r for t, r in zip(attn_type, SOFTMAX_SR_RATIOS)]
-        sr_ratios = check_stage_list('sr_ratios', sr_ratios, 4)
-        for name, values in (('embed_dims', embed_dims), ('depths', depths),
-                             ('num_heads', num_heads)):
-            for v in values:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f'{name} must be positive ints, got {values!r}')
+        sr_ratios = check_stage_list('sr_ratios', sr_ratios, 4, positive_ints=True)
         for dims, heads in zip(embed_dims, num_heads):
             if dims % heads:
                 raise ValueError(f'embed_dims {embed_dims} must be divisible by '

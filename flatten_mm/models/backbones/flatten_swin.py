@@ -171,12 +171,11 @@ class FLattenSwin(FLattenBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None):
         super().__init__(init_cfg=init_cfg)
-        if arch not in self.arch_zoo:
-            raise ValueError(f'arch must be one of {sorted(self.arch_zoo)}, got {arch!r}')
-        preset = self.arch_zoo[arch]
-        base_dims = check_positive_int('embed_dims', embed_dims or preset['embed_dims'])
-        depths = check_stage_list('depths', depths or preset['depths'], 4)
-        num_heads = check_stage_list('num_heads', num_heads or preset['num_heads'], 4)
+        preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
+                                    num_heads=num_heads)
+        base_dims = check_positive_int('embed_dims', preset['embed_dims'])
+        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
+        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
         attn_type = check_attn_type(attn_type, 4)
         window = to_2tuple_checked('window_size', window_size)
         lin_window = None if linear_window is None else \
