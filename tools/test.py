@@ -44,6 +44,9 @@ def main(argv=None):
         raise SystemExit(f'checkpoint not found: {args.checkpoint}')
     cfg.load_from = args.checkpoint
     if args.show_dir:
+        if 'visualization' not in cfg.default_hooks:
+            kind = 'Det' if cfg.get('default_scope') == 'mmdet' else 'Seg'
+            cfg.default_hooks.visualization = dict(type=f'{kind}VisualizationHook')
         hook = cfg.default_hooks.visualization
         hook.draw = True
         hook.test_out_dir = args.show_dir

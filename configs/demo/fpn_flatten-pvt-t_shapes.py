@@ -94,6 +94,7 @@ param_scheduler = [
 default_hooks = dict(
     logger=dict(type='LoggerHook', interval=20, log_metric_by_epoch=False),
     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=max_iters,
-                    max_keep_ckpts=1))
+                    max_keep_ckpts=1),
+    visualization=dict(type='SegVisualizationHook'))
 log_processor = dict(by_epoch=False)
 randomness = dict(seed=0)
