@@ -27,7 +27,7 @@ run() {  # run CONFIG NAME: train, then evaluate with pictures
   grep -o 'Iter(train) \[ *[0-9]*/[0-9]*\].*time: [0-9.]*' "$WORK/$name.train.log" | tail -n 1 || true
   local ckpt
   ckpt=$(cat "$WORK/$name/last_checkpoint")
-  echo "[demo] evaluating $name, pictures in $WORK/$name/*/pictures"
+  echo "[demo] evaluating $name, pictures under $WORK/$name"
   $PY tools/test.py "$cfg" "$ckpt" --work-dir "$WORK/$name" --show-dir pictures \
     --metrics-out "$WORK/$name.metrics.json" > "$WORK/$name.test.log" 2>&1 \
     || { tail -n 30 "$WORK/$name.test.log"; exit 1; }

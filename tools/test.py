@@ -17,7 +17,7 @@ def parse_args(argv=None):
     parser.add_argument('checkpoint', help='checkpoint file')
     parser.add_argument('--work-dir', help='directory for the evaluation logs')
     parser.add_argument('--show-dir', help='write pictures of the predictions '
-                        'under WORK_DIR/TIMESTAMP/SHOW_DIR')
+                        '(mmdet: WORK_DIR/TIMESTAMP/SHOW_DIR, mmseg: WORK_DIR/SHOW_DIR)')
     parser.add_argument('--metrics-out', help='also write the metrics to this JSON file')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config entries')
@@ -27,6 +27,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
     return args
+
+
+def kind_of(cfg) -> str:
+    return cfg.get('default_scope')
 
 
 def main(argv=None):
@@ -45,13 +49,15 @@ def main(argv=None):
     cfg.load_from = args.checkpoint
     if args.show_dir:
         if 'visualization' not in cfg.default_hooks:
-            kind = 'Det' if cfg.get('default_scope') == 'mmdet' else 'Seg'
+            kind = 'Det' if kind_of(cfg) == 'mmdet' else 'Seg'
             cfg.default_hooks.visualization = dict(type=f'{kind}VisualizationHook')
         hook = cfg.default_hooks.visualization
         hook.draw = True
-        hook.test_out_dir = args.show_dir
-        if 'interval' in hook:
-            hook.interval = 1
+        hook.interval = 1
+        if kind_of(cfg) == 'mmdet':
+            hook.test_out_dir = args.show_dir  # under WORK_DIR/TIMESTAMP/
+        else:  # mmseg's hook draws through the visualizer's save_dir
+            cfg.visualizer.save_dir = osp.join(cfg.work_dir, args.show_dir)
     runner = Runner.from_cfg(cfg)
     metrics = runner.test()
     if args.metrics_out:
