@@ -7,42 +7,26 @@ set by the upstream base configs) decides which library builds the model.
                           [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi]
 """
 import argparse
-import os
-import os.path as osp
 
-from mmengine.config import Config, DictAction
 from mmengine.runner import Runner
+
+from common import add_common_args, load_config
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Train a model with a FLatten backbone')
     parser.add_argument('config', help='config file path')
-    parser.add_argument('--work-dir', help='directory for logs and checkpoints')
     parser.add_argument('--resume', nargs='?', type=str, const='auto',
                         help='resume from CKPT, or from the latest checkpoint in '
                         'the work dir when no path is given')
     parser.add_argument('--amp', action='store_true',
                         help='automatic mixed precision (needs a GPU)')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
-                        help='override config entries, e.g. train_cfg.max_iters=100')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
-                        default='none', help='job launcher')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
-    return args
+    add_common_args(parser)
+    return parser.parse_args(argv)
 
 
-def build_config(args) -> Config:
-    import flatten_mm  # noqa: F401  (registers the backbones; fixes checkpoint loading)
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir') is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+def build_config(args):
+    cfg = load_config(args)
     if args.amp:
         import torch
         if not torch.cuda.is_available():

@@ -5,6 +5,8 @@ from flatten_mm import FLattenSwin
 from flatten_mm.models.backbones.flatten_swin import SwinBlock
 from flatten_mm.models.layers import window_merge, window_partition
 
+from backbone_checks import assert_autocast_finite, assert_cp_gives_same_gradients
+
 
 def small_swin(**kw):
     kw.setdefault('embed_dims', 16)
@@ -95,14 +97,7 @@ def test_gradients_frozen_and_cp():
     for name, p in m.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
-    a = small_swin(drop_path_rate=0.)
-    b = small_swin(drop_path_rate=0., with_cp=True)
-    b.load_state_dict(a.state_dict())
-    x = torch.randn(1, 3, 64, 64)
-    for mm in (a, b):
-        sum(o.square().sum() for o in mm(x)).backward()
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_cp_gives_same_gradients(small_swin, torch.randn(1, 3, 64, 64))
 
 
 @pytest.mark.parametrize('kwargs,match', [
@@ -120,12 +115,4 @@ def test_bad_arguments(kwargs, match):
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_autocast_scaled_inputs_are_finite(dtype):
-    m = small_swin().eval()
-    x = torch.randn(1, 3, 64, 64) * 100
-    with torch.no_grad():
-        ref = m(x)
-        with torch.autocast('cpu', dtype=dtype):
-            outs = m(x)
-    for o, r in zip(outs, ref):
-        assert torch.isfinite(o).all()
-        assert ((o.float() - r).norm() / r.norm()).item() < 0.05
+    assert_autocast_finite(small_swin(), dtype, torch.randn(1, 3, 64, 64) * 100)

@@ -1,0 +1,32 @@
+"""What tools/train.py and tools/test.py share: the usual OpenMMLab flags and
+turning them into a config."""
+import argparse
+import os
+import os.path as osp
+
+from mmengine.config import Config, DictAction
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--work-dir', help='directory for logs, checkpoints, results')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config entries, e.g. train_cfg.max_iters=100')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='job launcher')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+
+
+def load_config(args) -> Config:
+    """Read ``args.config`` with flatten_mm imported, apply --cfg-options,
+    --launcher and --work-dir (default ``work_dirs/<config name>``)."""
+    import flatten_mm  # noqa: F401  (registers the backbones; fixes checkpoint loading)
+    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir') is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    return cfg
