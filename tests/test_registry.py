@@ -48,3 +48,19 @@ def test_each_library_is_optional(monkeypatch):
 def test_version_and_exports():
     assert flatten_mm.__version__.count('.') == 2
     assert set(flatten_mm.registry.TIMM_MODELS) >= {'flatten_pvt_tiny', 'flatten_swin_base_384'}
+
+
+def test_roi_align_reads_backbone_maps_correctly():
+    """mmcv's compiled RoIAlign reads raw NCHW memory; a channels-last view
+    would make it gather wrong values without any error."""
+    from mmcv.ops import roi_align
+    from mmdet.registry import MODELS
+    model = MODELS.build(dict(type='FLattenPVT', arch='tiny')).eval()
+    with torch.no_grad():
+        feat = model(torch.randn(1, 3, 64, 64))[0]
+    rois = torch.tensor([[0., 2., 3., 40., 50.]])
+    got = roi_align(feat, rois, (7, 7), 0.25, 2, 'avg', True)
+    want = roi_align(feat.contiguous(memory_format=torch.contiguous_format).clone(), rois,
+                     (7, 7), 0.25, 2, 'avg', True)
+    torch.testing.assert_close(got, want)
+    assert got.abs().sum() > 0

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import extract_state_dict, load_checkpoint_file
+from .layers import stage_output
 from .backbones.flatten_pvt import FLattenPVT, FLattenPVTv2
 from .backbones.flatten_swin import FLattenSwin
 
@@ -69,7 +70,7 @@ class FLattenPVTClassifier(ClassifierMixin, FLattenPVT):
     def forward_features(self, x: Tensor) -> Tensor:
         for i in range(self.num_stages):
             tokens, hw_shape = self.forward_stage(i, x)
-            x = tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw_shape)
+            x = stage_output(tokens, hw_shape)
         return tokens
 
 

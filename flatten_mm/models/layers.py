@@ -38,8 +38,18 @@ def drop_path_rates(rate: float, num_blocks: int) -> list:
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
-    """(B, N, C) -> (B, C, H, W)."""
+    """(B, N, C) -> (B, C, H, W), a view (its strides are channels-last)."""
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], hw_shape[0], hw_shape[1])
+
+
+def stage_output(x: Tensor, hw_shape: HWShape) -> Tensor:
+    """(B, N, C) tokens -> a contiguous NCHW map for necks and heads.
+
+    The plain view of :func:`tokens_to_map` is channels-last in memory; compiled
+    ops that read raw NCHW memory (mmcv's CPU RoIAlign) would then gather the
+    wrong values, silently.
+    """
+    return tokens_to_map(x, hw_shape).contiguous()
 
 
 class DropPath(nn.Module):

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention, HWShape, resize_tokens, to_2tuple_checked
-from ..layers import (DropPath, drop_path_rates, Mlp, SpatialReductionAttention, check_attn_type,
-                      check_stage_list)
+from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type,
+                      check_stage_list, drop_path_rates, stage_output)
 from .base import FLattenBackbone
 
 SOFTMAX_SR_RATIOS = (8, 4, 2, 1)
@@ -193,7 +193,7 @@ class FLattenPyramid(FLattenBackbone):
         outs = []
         for i in range(self.num_stages):
             tokens, hw_shape = self.forward_stage(i, x)
-            x = tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw_shape)
+            x = stage_output(tokens, hw_shape)
             if i in self.out_indices:
                 outs.append(x)
         return tuple(outs)

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention, HWShape, check_positive_int, to_2tuple_checked
-from ..layers import (DropPath, drop_path_rates, Mlp, WindowSoftmaxAttention, check_attn_type,
-                      check_stage_list, window_merge, window_partition)
+from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, check_attn_type,
+                      check_stage_list, drop_path_rates, stage_output, window_merge,
+                      window_partition)
 from .base import FLattenBackbone
 from .flatten_pvt import PatchEmbed
 
@@ -248,5 +249,5 @@ class FLattenSwin(FLattenBackbone):
                 norm = getattr(self, f'norm{i}', None)
                 if norm is not None:
                     tokens = norm(tokens)
-                outs.append(tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw_shape))
+                outs.append(stage_output(tokens, hw_shape))
         return tuple(outs)
