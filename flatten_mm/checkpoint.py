@@ -57,9 +57,6 @@ class ForeignObject(dict):
     def __setstate__(self, state):
         self.__dict__['state'] = state
 
-    def __call__(self, *args, **kwargs):  # used where the pickle calls a function
-        return ForeignObject(*args, **kwargs)
-
 
 def _torch_safe_globals() -> dict:
     """What torch's own weights-only unpickler accepts ('module.name' -> object)."""
@@ -90,10 +87,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
     methods mmengine's HistoryBuffer keeps) is allowed on those data types only.
     """
     placeholders: set
+    safe_globals: dict
 
     def find_class(self, module: str, name: str):
         full = f'{module}.{name}'
-        safe = _torch_safe_globals().get(full)
+        safe = self.safe_globals.get(full)
         if safe is not None:
             return safe
         if _matches_any(full, REAL_GLOBALS):
@@ -126,6 +124,7 @@ def _restricted_pickle_module():
     class Unpickler(_RestrictedUnpickler):
         pass
     Unpickler.placeholders = placeholders
+    Unpickler.safe_globals = _torch_safe_globals()
     module.Unpickler = Unpickler
     module.placeholders = placeholders
     return module

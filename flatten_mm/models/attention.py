@@ -74,9 +74,10 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     if key_mask is None:
         count = torch.full((B, 1, 1), float(n), dtype=q.dtype, device=q.device)
     else:
+        # zero phi(K) at masked keys: they then drop out of sum_j k_j v_j and
+        # of the key mean, whatever V holds there
         m = key_mask.to(q.dtype).unsqueeze(-1)
         k = k * m
-        v = v * m
         count = m.sum(dim=1, keepdim=True)
     qh = q.view(B, N, num_heads, d)
     kh = k.view(B, n, num_heads, d)

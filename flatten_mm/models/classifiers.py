@@ -5,7 +5,6 @@ so both share every module, and the official parameter names load strictly.
 """
 from typing import List, Optional
 
-import torch
 from torch import Tensor, nn
 
 from ..checkpoint import extract_state_dict, load_checkpoint_file

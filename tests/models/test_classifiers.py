@@ -5,7 +5,6 @@ import types
 import pytest
 import timm
 import torch
-import torch.nn.functional as F
 
 import flatten_mm  # noqa: F401  (registers the models in timm)
 from flatten_mm import FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention
