@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ops import DepthwiseConvFn, FocusedLinearAttentionFn
+
 EPS = 1e-6
 
 HWShape = Tuple[int, int]
@@ -217,7 +219,12 @@ class FocusedLinearAttention(nn.Module):
             x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
         else:
             grid = tuple(hw_shape)
-        k, v = self.kv(x).chunk(2, dim=-1)
+        # k and v as two products, so v is contiguous (B, n, C): seen as a
+        # (B, C, h, w) map it is then channels-last with no copy, for the DWC
+        C = self.embed_dims
+        w, b = self.kv.weight, self.kv.bias
+        k = F.linear(x, w[:C], None if b is None else b[:C])
+        v = F.linear(x, w[C:], None if b is None else b[C:])
         k = k + self.positional_encoding_for(grid)
         return q, k, v, grid
 
@@ -230,7 +237,7 @@ class FocusedLinearAttention(nn.Module):
                                   align_corners=False)
         weight = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
         bias = self.dwc.bias.repeat(self.num_heads)
-        out = F.conv2d(v_map, weight, bias, padding=self.kernel_size // 2, groups=C)
+        out = DepthwiseConvFn.apply(v_map, weight, bias)
         return out.flatten(2).transpose(1, 2)
 
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
@@ -265,10 +272,9 @@ class FocusedLinearAttention(nn.Module):
         dtype = v.dtype
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(device_type=q.device.type, enabled=False):
-            scale = F.softplus(self.scale.to(ct))
-            q = focusing_map(q.to(ct), scale, self.focusing_factor)
-            k = focusing_map(k.to(ct), scale, self.focusing_factor)
-            out = linear_attention(q, k, v.to(ct), self.num_heads, key_mask)
+            s_inv = 1.0 / F.softplus(self.scale.to(ct)).view(-1)
+            out = FocusedLinearAttentionFn.apply(q.to(ct), k.to(ct), v.to(ct), s_inv,
+                                                 self.focusing_factor, self.num_heads, key_mask)
         return out.to(dtype)
 
     def _convert_official(self, state_dict, prefix, *args, **kwargs):

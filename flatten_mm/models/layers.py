@@ -154,17 +154,37 @@ class WindowSoftmaxAttention(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, hw_shape: HWShape, offset: Tuple[int, int] = (0, 0)) -> Tensor:
+        """
+        Args:
+            x (Tensor): (B, H*W, C) tokens of the whole map.
+            hw_shape (tuple[int, int]): (H, W).
+            offset (tuple[int, int]): the partition's shift (0 for W-MSA;
+                about half a window for SW-MSA), see :func:`window_partition`.
+
+        Returns:
+            Tensor: (B, H*W, C).
+        """
         B, N, C = x.shape
+        H, W = hw_shape
+        # project the real tokens only; windows are cut from q, k, v
+        qkv = self.qkv(x).view(B, H, W, 3 * C)
+        windows, key_mask, layout = window_partition(qkv, self.window_size, offset)
+        out = window_merge(self.attend(windows, key_mask), self.window_size, hw_shape, layout)
+        return self.proj_drop(self.proj(out.reshape(B, N, C)))
+
+    def attend(self, qkv: Tensor, key_mask: Optional[Tensor] = None) -> Tensor:
+        """Softmax attention inside windows: (B', n, 3C) -> (B', n, C)."""
+        Bw, n, C3 = qkv.shape
         h = self.num_heads
-        q, k, v = self.qkv(x).view(B, N, 3, h, C // h).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.view(Bw, n, 3, h, C3 // (3 * h)).permute(2, 0, 3, 1, 4)
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        bias = bias.view(N, N, h).permute(2, 0, 1).unsqueeze(0).to(q.dtype)
+        bias = bias.view(n, n, h).permute(2, 0, 1).unsqueeze(0).to(q.dtype)
         if key_mask is not None:
             bias = bias.masked_fill(~key_mask[:, None, None, :], float('-inf'))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.)
-        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
+        return out.transpose(1, 2).reshape(Bw, n, C3 // 3)
 
 
 def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0)

@@ -73,6 +73,8 @@ class SwinBlock(nn.Module):
         wh, ww = self.window
         fits = H <= wh and W <= ww
         offset = (wh - wh // 2, ww - ww // 2) if self.shift and not fits else (0, 0)
+        if not self.linear:
+            return self.attn(x, hw_shape, offset)
         windows, mask, layout = window_partition(x.view(-1, H, W, x.shape[-1]),
                                                  self.window, offset)
         windows = self.attn(windows, self.window, mask)

@@ -1,0 +1,206 @@
+"""Autograd functions behind :class:`FocusedLinearAttention`'s fast path.
+
+Written by hand because autograd on the plain formula keeps about a dozen
+(B, N, C) intermediates alive for backward and spends most of its time in
+element-wise passes over them. These functions keep only what backward
+cannot cheaply rebuild:
+
+* :class:`FocusedLinearAttentionFn` saves the raw q, k and v (tensors the
+  caller holds anyway) and recomputes the focused mapping in backward. Its
+  gradients are derived in closed form below.
+* :class:`DepthwiseConvFn` runs the DWC on a channels-last view of V, which is
+  how V already lies in memory as (B, n, C) tokens, so no copy is made, and
+  computes the weight gradient as one grouped convolution (mkldnn's own
+  depth-wise weight gradient is the slowest op of the layer on CPUs).
+
+Notation as in ``attention.py``: q (B, N, C), k and v (B, n, C), h heads of d
+channels, p the focusing factor, eps = 1e-6.
+
+Forward, per token x (a row of q or k):
+    a = (relu(x) + eps) * s_inv               s_inv = 1 / softplus(scale)
+    r = |a|,  u = (a / r)^p,  t = |u|,  c = r / t,  so phi(x) = c * u
+Dividing by r before the power keeps u <= 1, so nothing can overflow.
+
+For queries only the direction u matters up to the normaliser's eps, so per
+head, with KV = sum_j kappa_j u_j v_j^T and km = sum_j kappa_j u_j
+(kappa_j = c_j / n, or c_j m_j / sum(m) with a key mask m):
+    dot_i = u_i . km,  w_i = c_i / (c_i dot_i + eps),  out_i = w_i (u_i KV)
+which equals sum_j phi(q_i).phi(k_j) v_j / (phi(q_i) . mean_j phi(k_j) + eps).
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+EPS = 1e-6
+
+
+def heads_mm(x: Tensor, m: Tensor) -> Tensor:
+    """Per-head ``x_h @ m_h``: x (B, N, h*d), m (B, h, d, e) -> (B, N, h*e)."""
+    B, N, _ = x.shape
+    h, d, e = m.shape[1:]
+    if h == 1:
+        return torch.bmm(x, m[:, 0])
+    return torch.einsum('bnhd,bhde->bnhe', x.view(B, N, h, d), m).reshape(B, N, h * e)
+
+
+def heads_outer(x: Tensor, y: Tensor, num_heads: int) -> Tensor:
+    """Per-head ``x_h^T @ y_h`` summed over tokens: (B, n, h*d), (B, n, h*e) -> (B, h, d, e)."""
+    B, n, C = x.shape
+    if num_heads == 1:
+        return torch.bmm(x.transpose(1, 2), y).unsqueeze(1)
+    return torch.einsum('bnhd,bnhe->bhde', x.view(B, n, num_heads, -1),
+                        y.view(B, n, num_heads, -1))
+
+
+def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
+    """Per-head dot products of the rows of x (B, N, h*d) with vec (B, 1, h*d) -> (B, N, h)."""
+    B, N, C = x.shape
+    if num_heads == 1:
+        return torch.bmm(x, vec.transpose(1, 2))
+    return torch.einsum('bnhd,bhd->bnh', x.view(B, N, num_heads, -1), vec.view(B, num_heads, -1))
+
+
+def focus(x: Tensor, s_inv: Tensor, p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """a, r, u, t of the focused mapping (module docstring); phi(x) = (r / t) * u."""
+    a = torch.addcmul(EPS * s_inv, torch.relu(x), s_inv)
+    r = torch.linalg.vector_norm(a, dim=-1, keepdim=True)
+    u = (a / r).pow_(p)
+    t = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+    return a, r, u, t
+
+
+def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Tuple[Tensor, ...],
+                   grad_u: Tensor, grad_c: Tensor) -> Tuple[Tensor, Tensor]:
+    """Gradients for x and s_inv given those for u (at fixed c) and for c;
+    ``parts`` is ``focus(x, s_inv, p)``.
+
+    With G = grad_u - (grad_c c / t^2) u (u's total gradient at fixed r) and
+    S = sum(G u):  dL/dr = grad_c / t - p S / r  and
+    dL/da = p G u / a + (dL/dr) a / r.  ``grad_u`` is overwritten.
+    """
+    a, r, u, t = parts
+    c = r / t
+    g = grad_u.addcmul_(u, grad_c * c / (t * t), value=-1).mul_(u)  # G * u
+    grad_r = grad_c / t - p * g.sum(-1, keepdim=True) / r
+    grad_a = g.div_(a).mul_(p).addcmul_(a, grad_r / r)
+    grad_s_inv = (grad_a * a).sum((0, 1)) / s_inv
+    grad_x = torch.ops.aten.threshold_backward(grad_a.mul_(s_inv), x, 0)
+    return grad_x, grad_s_inv
+
+
+class FocusedLinearAttentionFn(torch.autograd.Function):
+    """out = focused linear attention of raw (projected) q, k, v; see the module docstring.
+
+    Args (forward): q (B, N, C), k (B, n, C), v (B, n, C), s_inv (C,),
+    focusing_factor, num_heads, key_mask (B, n) bool or None.
+    """
+
+    @staticmethod
+    def _keys(k: Tensor, s_inv: Tensor, p: float, key_mask: Optional[Tensor]):
+        """u and c of the keys, and kappa's other factor: 1 / n, or mask / count."""
+        parts = focus(k, s_inv, p)
+        _, rk, uk, tk = parts
+        if key_mask is None:
+            share = k.new_full((1, 1, 1), 1.0 / k.shape[1])
+        else:
+            m = key_mask.to(k.dtype).unsqueeze(-1)
+            share = m / m.sum(1, keepdim=True)
+        return parts, rk / tk, share
+
+    @staticmethod
+    def _query_weights(uq: Tensor, cq: Tensor, km: Tensor, num_heads: int):
+        den = cq * heads_dot(uq, km, num_heads) + EPS  # (B, N, h)
+        return cq / den, den
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
+                num_heads: int, key_mask: Optional[Tensor]) -> Tensor:
+        B, N, C = q.shape
+        p, h = focusing_factor, num_heads
+        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask)
+        uk = parts_k[2]
+        kappa = ck * share
+        km = torch.bmm(kappa.transpose(1, 2), uk)  # (B, 1, C)
+        kv = heads_outer(uk, v * kappa, h)  # (B, h, d, d)
+        del uk, parts_k
+        _, rq, uq, tq = focus(q, s_inv, p)
+        w, _ = FocusedLinearAttentionFn._query_weights(uq, rq / tq, km, h)
+        out = heads_mm(uq, kv)
+        out.view(B, N, h, -1).mul_(w.unsqueeze(-1))
+        ctx.save_for_backward(q, k, v, s_inv, kv, km, key_mask)
+        ctx.focusing_factor, ctx.num_heads = p, h
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, s_inv, kv, km, key_mask = ctx.saved_tensors
+        p, h = ctx.focusing_factor, ctx.num_heads
+        B, N, C = q.shape
+        g = grad_out.contiguous()
+
+        # queries: out = w * (u KV), w = c / (c * dot + eps), dot = u . km
+        parts_q = focus(q, s_inv, p)
+        _, rq, uq, tq = parts_q
+        cq = rq / tq
+        w, den = FocusedLinearAttentionFn._query_weights(uq, cq, km, h)
+        g_kvt = heads_mm(g, kv.transpose(-1, -2))  # g KV^T, (B, N, C)
+        grad_w = (g_kvt * uq).view(B, N, h, -1).sum(-1)  # = g . (u KV) per head
+        grad_w_den2 = grad_w / (den * den)
+        grad_cq = (grad_w_den2 * EPS).sum(-1, keepdim=True)
+        grad_dot = -grad_w_den2 * cq * cq  # (B, N, h)
+        grad_kv = heads_outer(uq, (g.view(B, N, h, -1) * w.unsqueeze(-1)).view(B, N, C), h)
+        grad_km = torch.einsum('bnh,bnhd->bhd', grad_dot, uq.view(B, N, h, -1)).reshape(B, 1, C)
+        grad_uq = g_kvt.view(B, N, h, -1).mul_(w.unsqueeze(-1)).addcmul_(
+            grad_dot.unsqueeze(-1), km.view(B, 1, h, -1)).view(B, N, C)
+        del g_kvt, uq
+        grad_q, grad_s_inv = focus_backward(q, s_inv, p, parts_q, grad_uq, grad_cq)
+        del grad_uq, parts_q
+
+        # keys: KV = sum_j kappa_j u_j v_j^T, km = sum_j kappa_j u_j, kappa = c / n (masked)
+        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask)
+        uk = parts_k[2]
+        kappa = ck * share
+        grad_v = heads_mm(uk, grad_kv).mul_(kappa)
+        grad_uk = heads_mm(v, grad_kv.transpose(-1, -2)).add_(grad_km)
+        grad_ck = (grad_uk * uk).sum(-1, keepdim=True) * share
+        del uk
+        grad_k, grad_s_inv_k = focus_backward(k, s_inv, p, parts_k, grad_uk.mul_(kappa), grad_ck)
+        return grad_q, grad_k, grad_v, grad_s_inv + grad_s_inv_k, None, None, None
+
+
+class DepthwiseConvFn(torch.autograd.Function):
+    """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)`` run channels-last,
+    with the weight gradient as one grouped convolution of x by the output
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        x = x.contiguous(memory_format=torch.channels_last)
+        pad = weight.shape[-1] // 2
+        ctx.save_for_backward(x, weight)
+        return F.conv2d(x, weight, bias, padding=pad, groups=x.shape[1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        B, C, H, W = x.shape
+        k = weight.shape[-1]
+        pad = k // 2
+        g = grad_out.contiguous(memory_format=torch.channels_last)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.conv2d(g, weight.flip(2, 3), padding=pad, groups=C)
+        if ctx.needs_input_grad[1]:
+            xp = F.pad(x, (pad, pad, pad, pad)).contiguous()
+            gc = g.contiguous()
+            grad_w = F.conv2d(xp.view(1, B * C, H + 2 * pad, W + 2 * pad),
+                              gc.view(B * C, 1, H, W), groups=B * C)
+            grad_w = grad_w.view(B, C, 1, k, k).sum(0)
+        if ctx.needs_input_grad[2]:
+            grad_b = g.sum((0, 2, 3))
+        return grad_x, grad_w, grad_b

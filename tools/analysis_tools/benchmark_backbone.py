@@ -1,0 +1,365 @@
+"""Speed and memory of FLatten backbones next to their softmax counterparts.
+
+    python tools/analysis_tools/benchmark_backbone.py \\
+        --models flatten-pvt-t pvt-t flatten-swin-t swin-t \\
+        --sizes 512 800x1333 1024 2048 --modes fwd fwdbwd --device cpu --threads 2
+
+Every (model, size, mode, dtype) case runs in its own subprocess, so a case
+that runs out of memory (or past ``--timeout``) is reported and the others go
+on. Cases are interleaved: for each size/mode/dtype, one subprocess per model
+in turn (A, B, A, B, ...) for ``--rounds`` rounds, so slow drifts of a shared
+machine hit every model alike. Each subprocess times ``--iters`` steps after
+``--warmup``; the table shows the median over all rounds and the ratio to the
+model's baseline (``flatten-X`` against ``X``; see ``BASELINES``).
+
+Memory:
+* CUDA: peak allocated bytes during the steps, above what the model and
+  input already held (``torch.cuda.max_memory_allocated``).
+* CPU, fwdbwd: bytes autograd saves for backward (unique storages, input and
+  parameters excluded), which is what grows with resolution.
+* CPU, both modes: growth of the process's peak resident memory during the
+  steps (``ru_maxrss``); coarse, as it includes allocator caching.
+
+Models: ``flatten-pvt-{t,s,m}``, ``flatten-pvtv2-b{0,1,2}``, ``flatten-swin-{t,s}``
+(flatten_mm), their softmax counterparts ``pvt-{t,s,m}``, ``pvtv2-b{0,1,2}``,
+``swin-{t,s}`` (mmdet's backbones), and ``NAME@reference`` for a flatten model
+whose linear attention runs the plain reference code (official op order).
+Writes ``results.json``, ``results.csv`` and ``results.png`` to ``--out-dir``.
+"""
+import argparse
+import csv
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PVT_LAYERS = dict(t=[2, 2, 2, 2], s=[3, 4, 6, 3], m=[3, 4, 18, 3])
+PVTV2 = dict(b0=(32, [2, 2, 2, 2]), b1=(64, [2, 2, 2, 2]), b2=(64, [3, 4, 6, 3]))
+SWIN = dict(t=('tiny', [2, 2, 6, 2]), s=('small', [2, 2, 18, 2]))
+
+
+def model_names():
+    names = []
+    for k in PVT_LAYERS:
+        names += [f'flatten-pvt-{k}', f'pvt-{k}']
+    for k in PVTV2:
+        names += [f'flatten-pvtv2-{k}', f'pvtv2-{k}']
+    for k in SWIN:
+        names += [f'flatten-swin-{k}', f'swin-{k}']
+    return names
+
+
+def baseline_of(name: str):
+    """``flatten-X`` (or ``flatten-X@reference``) is compared with ``X``."""
+    base = name.split('@')[0]
+    return base[len('flatten-'):] if base.startswith('flatten-') else None
+
+
+def check_model_name(name: str) -> None:
+    base, _, variant = name.partition('@')
+    if base not in model_names() or variant not in ('', 'reference') \
+            or (variant and not base.startswith('flatten-')):
+        raise ValueError(f'unknown model {name!r}; choose from {model_names()} '
+                         '(flatten ones also as NAME@reference)')
+
+
+def build_model(name: str):
+    """The backbone called ``name`` (see the module docstring)."""
+    check_model_name(name)
+    base, _, variant = name.partition('@')
+    family, _, size = base.rpartition('-')
+    if family.startswith('flatten'):
+        sys.path.insert(0, str(ROOT))
+        from flatten_mm.models.backbones import FLattenPVT, FLattenPVTv2, FLattenSwin
+        arch = {'t': 'tiny', 's': 'small', 'm': 'medium'}.get(size, size)
+        cls = dict(zip(['flatten-pvt', 'flatten-pvtv2', 'flatten-swin'],
+                       [FLattenPVT, FLattenPVTv2, FLattenSwin]))[family]
+        model = cls(arch=arch)
+        if variant == 'reference':
+            from flatten_mm.models.attention import FocusedLinearAttention, reference_forward
+            for m in model.modules():
+                if isinstance(m, FocusedLinearAttention):
+                    m.forward = (lambda mod: lambda x, hw, key_mask=None:
+                                 reference_forward(mod, x, hw))(m)
+        return model
+    from mmdet.models.backbones import (PyramidVisionTransformer,
+                                        PyramidVisionTransformerV2, SwinTransformer)
+    if family == 'pvt':
+        return PyramidVisionTransformer(num_layers=PVT_LAYERS[size])
+    if family == 'pvtv2':
+        dims, layers = PVTV2[size]
+        return PyramidVisionTransformerV2(embed_dims=dims, num_layers=layers)
+    return SwinTransformer(depths=SWIN[size][1], drop_path_rate=0.0)
+
+
+# ----------------------------------------------------------------- worker
+
+def rss_bytes() -> int:
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+def run_worker(spec: dict) -> dict:
+    import torch
+    if spec.get('threads'):
+        torch.set_num_threads(spec['threads'])
+    device = torch.device(spec['device'])
+    dtype = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[spec['dtype']]
+    torch.manual_seed(0)
+    model = build_model(spec['model']).to(device)
+    model.train(spec['mode'] == 'fwdbwd')
+    H, W = spec['size']
+    x = torch.randn(1, 3, H, W, device=device)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def sync():
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+
+    def step():
+        if spec['mode'] == 'fwd':
+            with torch.no_grad(), autocast:
+                model(x)
+        else:
+            with autocast:
+                outs = model(x)
+            sum(o.float().mean() for o in outs).backward()
+            model.zero_grad(set_to_none=True)
+
+    result = dict(spec)
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+    rss_before = rss_bytes()
+    times = []
+    for i in range(spec['warmup'] + spec['iters']):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        if i >= spec['warmup']:
+            times.append(time.perf_counter() - t0)
+    result['times_ms'] = [1000 * t for t in times]
+    if device.type == 'cuda':
+        result['peak_MiB'] = (torch.cuda.max_memory_allocated(device) - held) / 2 ** 20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result['rss_growth_MiB'] = max(0, peak - rss_before) / 2 ** 20
+        if spec['mode'] == 'fwdbwd':
+            sys.path.insert(0, str(ROOT))
+            from flatten_mm.analysis import saved_tensor_bytes
+            with autocast:
+                outs, nbytes = saved_tensor_bytes(lambda: model(x),
+                                                  [x, *model.parameters()])
+            result['saved_MiB'] = nbytes / 2 ** 20
+            del outs
+    return result
+
+
+def worker_main(text: str) -> None:
+    spec = json.loads(text)
+    if spec['device'] == 'cpu' and spec.get('mem_limit_gb'):
+        limit = int(spec['mem_limit_gb'] * 2 ** 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        result = run_worker(spec)
+        result['status'] = 'ok'
+    except (MemoryError, RuntimeError) as err:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        text = str(err)
+        if 'out of memory' in text.lower() or 'allocate' in text.lower() \
+                or isinstance(err, MemoryError):
+            result = dict(spec, status='out of memory', error=text.splitlines()[0][:200])
+        else:
+            raise
+    print('RESULT ' + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------ parent
+
+def parse_size(text: str):
+    parts = text.lower().split('x')
+    try:
+        size = [int(p) for p in parts]
+    except ValueError:
+        size = []
+    if len(size) == 1:
+        size *= 2
+    if len(size) != 2 or min(size) < 1:
+        raise argparse.ArgumentTypeError(f'a size is S or HxW (e.g. 800x1333), got {text!r}')
+    return size
+
+
+def run_case(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, '--worker', json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(spec, status=f'timeout ({timeout:.0f} s)')
+    for line in proc.stdout.splitlines():
+        if line.startswith('RESULT '):
+            return json.loads(line[len('RESULT '):])
+    if proc.returncode < 0:  # killed by a signal: the kernel's OOM killer, mostly
+        status = f'killed by signal {-proc.returncode} (out of memory?)'
+    else:
+        status = f'failed (exit {proc.returncode}): ' + (proc.stderr.strip().splitlines() or [''])[-1][:200]
+    return dict(spec, status=status)
+
+
+def summarise(results):
+    rows = {}
+    for r in results:
+        key = (r['model'], tuple(r['size']), r['mode'], r['dtype'])
+        row = rows.setdefault(key, dict(model=r['model'], size='x'.join(map(str, r['size'])),
+                                        pixels=r['size'][0] * r['size'][1], mode=r['mode'],
+                                        dtype=r['dtype'], device=r['device'], status='ok',
+                                        times_ms=[]))
+        if r['status'] != 'ok':
+            row['status'] = r['status']
+            continue
+        row['times_ms'] += r['times_ms']
+        for k in ('peak_MiB', 'saved_MiB', 'rss_growth_MiB'):
+            if k in r:
+                row[k] = max(row.get(k, 0), r[k])
+    for row in rows.values():
+        row['median_ms'] = statistics.median(row['times_ms']) if row['status'] == 'ok' else None
+    for (model, size, mode, dtype), row in rows.items():
+        base = rows.get((baseline_of(model), size, mode, dtype))
+        row['baseline'] = base['model'] if base else None
+        if base and row['median_ms'] and base['median_ms']:
+            row['time_ratio'] = row['median_ms'] / base['median_ms']
+            for k in ('peak_MiB', 'saved_MiB'):
+                if k in row and base.get(k):
+                    row[k.split('_')[0] + '_ratio'] = row[k] / base[k]
+    return list(rows.values())
+
+
+def fmt(v, spec='.0f'):
+    return '-' if v is None else format(v, spec)
+
+
+def write_outputs(rows, out_dir: Path):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / 'results.json').write_text(json.dumps(rows, indent=1))
+    fields = ['model', 'baseline', 'size', 'pixels', 'mode', 'dtype', 'device', 'status',
+              'median_ms', 'time_ratio', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
+              'rss_growth_MiB']
+    with open(out_dir / 'results.csv', 'w', newline='') as f:
+        writer = csv.DictWriter(f, fields, extrasaction='ignore')
+        writer.writeheader()
+        writer.writerows(rows)
+    try:
+        plot(rows, out_dir / 'results.png')
+    except ImportError:
+        print('matplotlib is not installed: no plot')
+
+
+def plot(rows, path: Path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    mem_key = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups = {}
+    for r in rows:
+        if r['status'] == 'ok':
+            groups.setdefault((r['model'], r['mode'], r['dtype']), []).append(r)
+    for (model, mode, dtype), rs in sorted(groups.items()):
+        rs.sort(key=lambda r: r['pixels'])
+        px = [r['pixels'] / 1e6 for r in rs]
+        style = '-' if model.startswith('flatten') else '--'
+        label = f'{model} {mode} {dtype}'
+        axes[0].plot(px, [r['median_ms'] for r in rs], style, marker='o', label=label)
+        mem = [(r['pixels'] / 1e6, r[mem_key]) for r in rs if mem_key in r]
+        if mem:
+            axes[1].plot(*zip(*mem), style, marker='o', label=label)
+    axes[0].set(xlabel='megapixels', ylabel='median time per step (ms)', title='time')
+    axes[1].set(xlabel='megapixels', ylabel=mem_key.replace('_', ' '), title='memory')
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(rows):
+    mem = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
+    print(f'| model | size | mode | dtype | median ms | x baseline | {mem} | x baseline | status |')
+    print('|---|---|---|---|---|---|---|---|---|')
+    for r in rows:
+        print(f"| {r['model']} | {r['size']} | {r['mode']} | {r['dtype']} | "
+              f"{fmt(r['median_ms'])} | {fmt(r.get('time_ratio'), '.2f')} | "
+              f"{fmt(r.get(mem), '.0f')} | {fmt(r.get(mem.split('_')[0] + '_ratio'), '.2f')} | "
+              f"{r['status']} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--models', nargs='+',
+                        default=['flatten-pvt-t', 'pvt-t', 'flatten-pvt-s', 'pvt-s',
+                                 'flatten-pvtv2-b1', 'pvtv2-b1', 'flatten-swin-t', 'swin-t'])
+    parser.add_argument('--sizes', nargs='+', type=parse_size,
+                        default=[[512, 512], [800, 1333], [1024, 1024], [2048, 2048]])
+    parser.add_argument('--modes', nargs='+', choices=['fwd', 'fwdbwd'], default=['fwd', 'fwdbwd'])
+    parser.add_argument('--dtypes', nargs='+', choices=['fp32', 'bf16', 'fp16'], default=None,
+                        help='default: fp32, plus bf16 on a GPU that supports it')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--threads', type=int, default=None, help='CPU threads per case')
+    parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--iters', type=int, default=2, help='timed steps per subprocess')
+    parser.add_argument('--warmup', type=int, default=1)
+    parser.add_argument('--timeout', type=float, default=900, help='seconds per subprocess')
+    parser.add_argument('--mem-limit-gb', type=float, default=None,
+                        help='CPU: address-space limit per case (default: 80%% of RAM)')
+    parser.add_argument('--out-dir', default='work_dirs/benchmark_backbone')
+    parser.add_argument('--worker', help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    try:
+        for name in args.models:
+            check_model_name(name)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.dtypes is None:
+        args.dtypes = ['fp32']
+        if args.device.startswith('cuda'):
+            import torch
+            if torch.cuda.is_bf16_supported():
+                args.dtypes.append('bf16')
+    if args.mem_limit_gb is None and args.device == 'cpu':
+        args.mem_limit_gb = 0.8 * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30
+    results, failed = [], set()
+    for size in args.sizes:
+        for mode in args.modes:
+            for dtype in args.dtypes:
+                for rnd in range(args.rounds):
+                    for model in args.models:
+                        key = (model, tuple(size), mode, dtype)
+                        if key in failed:
+                            continue
+                        spec = dict(model=model, size=size, mode=mode, dtype=dtype,
+                                    device=args.device, threads=args.threads,
+                                    iters=args.iters, warmup=args.warmup,
+                                    mem_limit_gb=args.mem_limit_gb)
+                        r = run_case(spec, args.timeout)
+                        results.append(r)
+                        if r['status'] != 'ok':
+                            failed.add(key)
+                        print(f"[{rnd + 1}/{args.rounds}] {model} {size[0]}x{size[1]} {mode} "
+                              f"{dtype}: {r['status']}"
+                              + (f", {statistics.median(r['times_ms']):.0f} ms"
+                                 if r['status'] == 'ok' else ''), flush=True)
+    rows = summarise(results)
+    write_outputs(rows, Path(args.out_dir))
+    print_table(rows)
+    return rows
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,131 @@
+"""FLOPs and parameters of a config's model, a bare backbone or a classifier.
+
+    python tools/analysis_tools/get_flops.py CONFIG --shape 800 1280
+    python tools/analysis_tools/get_flops.py --backbone FLattenPVT --arch tiny --shape 224
+    python tools/analysis_tools/get_flops.py --timm flatten_swin_tiny --shape 224
+
+Counting follows mmengine's ``FlopAnalyzer`` (as mmdet's get_flops.py): one
+multiply-accumulate = one FLOP, element-wise work is not counted. The focused
+linear attention's matmuls, the depth-wise conv and softmax attention
+(``scaled_dot_product_attention``) are counted by the handles in
+``flatten_mm.analysis``; the focused mapping's element-wise operations are
+reported on their own line. Detectors are traced in ``mode='tensor'`` (RPN
+proposals and RoI heads included, as in mmdet's tool).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from flatten_mm.analysis import flop_analyzer, focusing_ops, parameter_count  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('config', nargs='?', help='an mmdet / mmseg config')
+    parser.add_argument('--backbone', help='a flatten_mm backbone class, e.g. FLattenPVT')
+    parser.add_argument('--arch', default='tiny', help='arch of --backbone')
+    parser.add_argument('--timm', help='a timm model name, e.g. flatten_pvt_tiny')
+    parser.add_argument('--shape', type=int, nargs='+', default=[224],
+                        help='input H W (one number: square)')
+    parser.add_argument('--cfg-options', nargs='+', default=None,
+                        help='override config entries (as tools/train.py)')
+    parser.add_argument('--out', help='write the numbers as JSON here')
+    args = parser.parse_args(argv)
+    if sum(x is not None for x in (args.config, args.backbone, args.timm)) != 1:
+        parser.error('give exactly one of CONFIG, --backbone or --timm')
+    if len(args.shape) not in (1, 2) or min(args.shape) < 1:
+        parser.error(f'--shape takes H W or one size, got {args.shape}')
+    args.shape = tuple(args.shape) * (3 - len(args.shape))
+    return args
+
+
+class _Traced(torch.nn.Module):
+    """Wraps a model call so the analyzer can trace it with one tensor input."""
+
+    def __init__(self, model, call):
+        super().__init__()
+        self.model = model
+        self.call = call
+
+    def forward(self, x):
+        return self.call(self.model, x)
+
+
+def from_config(path, shape, cfg_options):
+    from mmengine.config import Config, DictAction
+    from mmengine.registry import DefaultScope, init_default_scope
+    import flatten_mm  # noqa: F401
+    cfg = Config.fromfile(path)
+    if cfg_options:
+        parser = argparse.ArgumentParser()
+        parser.add_argument('--o', nargs='+', action=DictAction)
+        cfg.merge_from_dict(parser.parse_args(['--o', *cfg_options]).o)
+    scope = cfg.get('default_scope')
+    if scope not in ('mmdet', 'mmseg'):
+        raise SystemExit(f'{path}: default_scope must be mmdet or mmseg, got {scope!r}')
+    init_default_scope(scope)
+    H, W = shape
+    meta = dict(img_shape=(H, W), ori_shape=(H, W), pad_shape=(H, W),
+                batch_input_shape=(H, W), scale_factor=(1.0, 1.0))
+    with DefaultScope.overwrite_default_scope(scope):
+        from mmengine.registry import MODELS
+        model = MODELS.build(cfg.model).eval()
+        if scope == 'mmdet':
+            from mmdet.structures import DetDataSample
+            sample = DetDataSample(metainfo=meta)
+        else:
+            from mmseg.structures import SegDataSample
+            sample = SegDataSample(metainfo=meta)
+    return model, lambda m, x: m(x, [sample], mode='tensor')
+
+
+def build(args):
+    if args.config:
+        return from_config(args.config, args.shape, args.cfg_options)
+    if args.backbone:
+        from flatten_mm.models import backbones
+        cls = getattr(backbones, args.backbone, None)
+        if cls is None or not isinstance(cls, type):
+            names = [n for n in backbones.__all__ if n[0].isupper()]
+            raise SystemExit(f'unknown --backbone {args.backbone!r}; choose from {names}')
+        return cls(arch=args.arch).eval(), lambda m, x: m(x)
+    import timm
+    import flatten_mm  # noqa: F401  (registers the classifiers)
+    return timm.create_model(args.timm).eval(), lambda m, x: m(x)
+
+
+def count(model, call, shape):
+    x = torch.rand(1, 3, *shape)
+    wrapped = _Traced(model, call)
+    with torch.no_grad():
+        analyzer = flop_analyzer(wrapped, (x,))
+        flops = analyzer.total()
+        by_op = dict(analyzer.by_operator())
+        focus = focusing_ops(model, lambda: call(model, x))
+    return dict(shape=list(shape), flops=flops, flops_by_operator=by_op,
+                focusing_elementwise_ops=focus, params=parameter_count(model))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model, call = build(args)
+    result = count(model, call, args.shape)
+    name = args.config or args.backbone and f'{args.backbone}({args.arch})' or args.timm
+    print(f'model: {name}\ninput shape: 1x3x{args.shape[0]}x{args.shape[1]}')
+    print(f"FLOPs: {result['flops'] / 1e9:.3f} G (multiply-accumulates)")
+    for op, n in sorted(result['flops_by_operator'].items(), key=lambda kv: -kv[1]):
+        print(f'  {op}: {n / 1e9:.3f} G')
+    print(f"focused mapping, element-wise (not in FLOPs): "
+          f"{result['focusing_elementwise_ops'] / 1e9:.3f} G ops")
+    print(f"params: {result['params'] / 1e6:.2f} M")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(model=name, **result), indent=1))
+    return result
+
+
+if __name__ == '__main__':
+    main()
