@@ -1,0 +1,118 @@
+"""The hand-written autograd of the attention core against autograd on the
+plain formula (reference_forward, focusing_map + linear_attention)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flatten_mm import FocusedLinearAttention, focusing_map, linear_attention
+from flatten_mm.analysis import saved_tensor_bytes
+from flatten_mm.models.attention import reference_forward
+from flatten_mm.models.ops import DepthwiseConvFn, FocusedLinearAttentionFn
+
+
+def random_module(C, heads, sr=1, grid=(5, 6), dtype=torch.float64):
+    m = FocusedLinearAttention(C, heads, sr_ratio=sr, pos_grid=grid).to(dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m
+
+
+def grads(fn, tensors):
+    out = fn()
+    g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    return [out] + list(torch.autograd.grad(out, tensors, g))
+
+
+@pytest.mark.parametrize('heads,sr,hw', [(1, 1, (6, 7)), (3, 1, (5, 9)), (2, 2, (7, 9)),
+                                         (4, 3, (10, 8))])
+def test_module_gradients_match_reference(heads, sr, hw):
+    m = random_module(24, heads, sr)
+    x = torch.randn(2, hw[0] * hw[1], 24, dtype=torch.float64, requires_grad=True)
+    params = [x] + list(m.parameters())
+    fast = grads(lambda: m(x, hw), params)
+    ref = grads(lambda: reference_forward(m, x, hw), params)
+    names = ['out', 'x'] + [n for n, _ in m.named_parameters()]
+    for name, a, b in zip(names, fast, ref):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9, msg=name)
+
+
+def test_masked_function_gradients_match_autograd():
+    B, N, C, h = 3, 20, 12, 3
+    q, k, v = (torch.randn(B, N, C, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sigma = torch.randn(C, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(B, N) > 0.4
+    mask[:, 0] = True
+
+    def plain():
+        s = F.softplus(sigma)
+        return linear_attention(focusing_map(q, s, 3), focusing_map(k, s, 3), v, h, mask)
+
+    def fast():
+        return FocusedLinearAttentionFn.apply(q, k, v, 1 / F.softplus(sigma), 3, h, mask)
+
+    for a, b in zip(grads(fast, [q, k, v, sigma]), grads(plain, [q, k, v, sigma])):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize('p', [2, 3, 4.5])
+def test_function_gradcheck(p):
+    q, k, v = (torch.randn(2, 7, 6, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    s_inv = torch.rand(6, dtype=torch.float64).add_(0.5).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda *t: FocusedLinearAttentionFn.apply(*t, p, 2, None), (q, k, v, s_inv))
+
+
+def test_depthwise_conv_gradcheck_and_value():
+    x = torch.randn(2, 6, 7, 9, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 1, 5, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(DepthwiseConvFn.apply(x, w, b),
+                               F.conv2d(x, w, b, padding=2, groups=6))
+    assert torch.autograd.gradcheck(DepthwiseConvFn.apply, (x, w, b))
+
+
+def test_large_activations_do_not_overflow():
+    # |a| ~ 1e7: a**3 would fit in fp32 but the sum of its squares would not
+    m = random_module(32, 2, dtype=torch.float32)
+    x = torch.randn(1, 30, 32, requires_grad=True)
+    with torch.no_grad():
+        m.q.weight.mul_(1e7)
+        m.kv.weight.mul_(1e7)
+    out = m(x, (5, 6))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    m64 = m.double()
+    ref = reference_forward(m64, x.double(), (5, 6))  # fine in float64
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_saves_at_most_40_percent_of_reference_bytes():
+    m = random_module(64, 2, grid=(8, 8), dtype=torch.float32)
+    x = torch.randn(1, 24 * 32, 64, requires_grad=True)
+    exclude = [x, *m.parameters()]
+    _, fast = saved_tensor_bytes(lambda: m(x, (24, 32)), exclude)
+    _, ref = saved_tensor_bytes(lambda: reference_forward(m, x, (24, 32)), exclude)
+    N, C = 24 * 32, 64
+    # q, k, v and the projection's input: four (N, C) fp32 tensors, plus small ones
+    assert 4 * N * C * 4 <= fast < 4.2 * N * C * 4
+    assert fast <= 0.4 * ref
+
+
+def test_saved_bytes_linear_in_tokens_softmax_quadratic():
+    """Doubling the side (4x tokens) multiplies the core's saved bytes by ~4
+    and an explicit softmax attention's (mmdet PVT's nn.MultiheadAttention
+    with sr 1) by ~16 (the linear terms keep it a little under)."""
+    lin = FocusedLinearAttention(32, 1, pos_grid=(8, 8))
+    soft = torch.nn.MultiheadAttention(32, 1, batch_first=True)
+
+    def saved(side):
+        x = torch.randn(1, side * side, 32, requires_grad=True)
+        _, a = saved_tensor_bytes(lambda: lin(x, (side, side)), [x, *lin.parameters()])
+        _, b = saved_tensor_bytes(lambda: soft(x, x, x)[0], [x, *soft.parameters()])
+        return a, b
+
+    (l1, s1), (l2, s2) = saved(32), saved(64)
+    assert 3.8 < l2 / l1 < 4.2
+    # N^2 attention weights plus linear terms: 16x in the limit
+    assert 13 < s2 / s1 < 16.5

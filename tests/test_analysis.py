@@ -1,0 +1,74 @@
+"""FLOP counting and saved-bytes measurement (flatten_mm.analysis)."""
+import torch
+import torch.nn.functional as F
+
+from flatten_mm import FocusedLinearAttention
+from flatten_mm.analysis import (FOCUS_OPS_PER_ELEMENT, flop_analyzer, focusing_ops,
+                                 saved_tensor_bytes)
+
+
+class Call(torch.nn.Module):
+    def __init__(self, module, *extra):
+        super().__init__()
+        self.module = module
+        self.extra = extra
+
+    def forward(self, x):
+        return self.module(x, *self.extra)
+
+
+def test_one_attention_layer_matches_a_hand_count():
+    C, h, H, W, k = 64, 2, 10, 12, 5
+    d, N = C // h, H * W
+    m = FocusedLinearAttention(C, h, kernel_size=k, pos_grid=(H, W)).eval()
+    analyzer = flop_analyzer(Call(m, (H, W)), (torch.randn(1, N, C),))
+    by_op = analyzer.by_operator()
+    assert by_op['linear'] == 4 * N * C * C  # q, k, v, proj
+    # phi(K)^T V: n d^2 per head; key mean: n d; q . mean: N d; phi(Q) KV: N d^2
+    assert by_op['focused_linear_attention'] == h * (N * d * d + N * d + N * d + N * d * d)
+    assert by_op['conv'] == N * C * k * k  # the DWC
+    assert analyzer.total() == sum(by_op.values()) == 4 * N * C * C + h * (
+        2 * N * d * d + 2 * N * d) + N * C * k * k
+
+
+def test_spatial_reduction_counts_the_reduced_keys():
+    C, h, H, W, r = 32, 1, 8, 12, 2
+    N, n = H * W, (H // r) * (W // r)
+    m = FocusedLinearAttention(C, h, sr_ratio=r, pos_grid=(H // r, W // r)).eval()
+    by_op = flop_analyzer(Call(m, (H, W)), (torch.randn(1, N, C),)).by_operator()
+    assert by_op['linear'] == 2 * N * C * C + 2 * n * C * C  # q, proj on N; k, v on n
+    assert by_op['focused_linear_attention'] == n * C * C + n * C + N * C + N * C * C
+    assert by_op['conv'] == n * C * C * r * r + N * C * 25  # reduction conv + DWC
+
+
+def test_softmax_attention_is_counted():
+    q = torch.randn(2, 3, 10, 8)
+    k = torch.randn(2, 3, 14, 8)
+
+    class SDPA(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, k, k)
+
+    assert flop_analyzer(SDPA(), (q,)).total() == 2 * 3 * 10 * 14 * (8 + 8)
+
+
+def test_focusing_ops_per_element_of_q_and_k():
+    m = FocusedLinearAttention(16, 2, sr_ratio=2, pos_grid=(3, 3))
+    x = torch.randn(2, 5 * 6, 16)
+    # 30 queries and ceil(5/2) * ceil(6/2) = 9 keys per image
+    assert focusing_ops(m, lambda: m(x, (5, 6))) == FOCUS_OPS_PER_ELEMENT * 16 * 2 * (30 + 9)
+
+
+def test_saved_bytes_count_storages_once_and_skip_excluded():
+    x = torch.randn(100, requires_grad=True)
+    w = torch.randn(100, requires_grad=True)
+
+    def fn():
+        y = x.exp()  # saves its result: 400 bytes
+        return (y * w).sum() + y[:10].sin().sum()  # y again (as a view) and w
+
+    _, nbytes = saved_tensor_bytes(fn, [x, w])
+    # exp's result (once, although also saved through the view) and sin's input slice
+    assert nbytes == 400
+    _, with_w = saved_tensor_bytes(fn, [x])
+    assert with_w == 800

@@ -1,0 +1,77 @@
+"""tools/analysis_tools: get_flops, benchmark_attention, benchmark_backbone."""
+import csv
+import importlib.util
+import json
+import os.path as osp
+
+import pytest
+import torch
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(
+        name, osp.join(ROOT, 'tools', 'analysis_tools', f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_get_flops_of_flatten_pvt_tiny_matches_the_official_count(tmp_path):
+    tool = load_tool('get_flops')
+    out = tmp_path / 'flops.json'
+    result = tool.main(['--timm', 'flatten_pvt_tiny', '--shape', '224', '--out', str(out)])
+    # 2.05 G measured with mmengine's counter on the official model
+    assert abs(result['flops'] / 1e9 - 2.05) < 0.005
+    assert result['params'] == 12_150_504
+    assert json.loads(out.read_text())['flops'] == result['flops']
+
+
+def test_get_flops_of_a_config_and_bad_input(capsys):
+    tool = load_tool('get_flops')
+    result = tool.main([osp.join(ROOT, 'configs/demo/fpn_flatten-pvt-t_shapes.py'),
+                        '--shape', '64', '96'])
+    assert result['flops'] > 0 and result['flops_by_operator']['focused_linear_attention'] > 0
+    with pytest.raises(SystemExit, match='unknown --backbone'):
+        tool.main(['--backbone', 'FLattenViT'])
+    with pytest.raises(SystemExit):
+        tool.main(['--backbone', 'FLattenPVT', '--timm', 'flatten_pvt_tiny'])
+
+
+def test_benchmark_attention_reports_ratios(tmp_path):
+    tool = load_tool('benchmark_attention')
+    rows = tool.main(['--cases', '12x16x32x2', '--repeats', '1', '--out',
+                      str(tmp_path / 'r.json')])
+    (row,) = rows
+    assert row['rel_error'] < 1e-5
+    assert row['saved_ratio'] < 0.4
+    assert row['fast_ms'] > 0 and row['reference_ms'] > 0
+    with pytest.raises(SystemExit):
+        tool.main(['--cases', '12x16x30x4'])  # C not divisible by heads
+
+
+def test_benchmark_backbone_interleaves_writes_and_survives_oom(tmp_path):
+    tool = load_tool('benchmark_backbone')
+    rows = tool.main(['--models', 'flatten-pvt-t', 'pvt-t', '--sizes', '64', '--modes', 'fwdbwd',
+                      '--rounds', '2', '--iters', '1', '--warmup', '0', '--threads', '1',
+                      '--out-dir', str(tmp_path)])
+    by_model = {r['model']: r for r in rows}
+    assert by_model['flatten-pvt-t']['status'] == 'ok'
+    assert len(by_model['flatten-pvt-t']['times_ms']) == 2  # one per round
+    assert by_model['flatten-pvt-t']['baseline'] == 'pvt-t'
+    assert by_model['flatten-pvt-t']['time_ratio'] > 0
+    assert by_model['pvt-t']['saved_MiB'] > 0
+    assert (tmp_path / 'results.png').stat().st_size > 0
+    with open(tmp_path / 'results.csv') as f:
+        assert {r['model'] for r in csv.DictReader(f)} == {'flatten-pvt-t', 'pvt-t'}
+
+    # a case that cannot fit is reported, not fatal: give the subprocess a
+    # little more address space than this (already importing) process uses
+    with open('/proc/self/status') as f:
+        vm = int(f.read().split('VmSize:')[1].split()[0]) * 1024
+    spec = dict(model='pvt-t', size=[2048, 2048], mode='fwdbwd', dtype='fp32', device='cpu',
+                threads=1, iters=1, warmup=0, mem_limit_gb=vm / 2 ** 30 + 0.5)
+    assert tool.run_case(spec, timeout=300)['status'] == 'out of memory'
+    with pytest.raises(SystemExit):
+        tool.main(['--models', 'vit-b'])
