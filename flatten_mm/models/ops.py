@@ -8,10 +8,9 @@ cannot cheaply rebuild:
 * :class:`FocusedLinearAttentionFn` saves the raw q, k and v (tensors the
   caller holds anyway) and recomputes the focused mapping in backward. Its
   gradients are derived in closed form below.
-* :class:`DepthwiseConvFn` runs the DWC on a channels-last view of V, which is
-  how V already lies in memory as (B, n, C) tokens, so no copy is made, and
-  computes the weight gradient as one grouped convolution (mkldnn's own
-  depth-wise weight gradient is the slowest op of the layer on CPUs).
+* :class:`DepthwiseConvFn` computes the DWC's weight gradient as one grouped
+  convolution (mkldnn's own depth-wise weight gradient is the slowest op of
+  the layer on CPUs).
 
 Notation as in ``attention.py``: q (B, N, C), k and v (B, n, C), h heads of d
 channels, p the focusing factor, eps = 1e-6.
@@ -37,6 +36,14 @@ from torch.autograd.function import once_differentiable
 EPS = 1e-6
 
 
+def block_diagonal(m: Tensor) -> Tensor:
+    """(B, h, d, e) blocks -> (B, h*d, h*e) block-diagonal matrices."""
+    B, h, d, e = m.shape
+    full = m.new_zeros(B, h, d, h, e)
+    full.diagonal(dim1=1, dim2=3).copy_(m.permute(0, 2, 3, 1))
+    return full.view(B, h * d, h * e)
+
+
 def heads_mm(x: Tensor, m: Tensor) -> Tensor:
     """Per-head ``x_h @ m_h``: x (B, N, h*d), m (B, h, d, e) -> (B, N, h*e)."""
     B, N, _ = x.shape
@@ -56,20 +63,37 @@ def heads_outer(x: Tensor, y: Tensor, num_heads: int) -> Tensor:
 
 
 def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
-    """Per-head dot products of the rows of x (B, N, h*d) with vec (B, 1, h*d) -> (B, N, h)."""
-    B, N, C = x.shape
+    """Per-head dot products of the rows of x (B, N, h*d) with vec (B, 1, h*d) -> (B, N, h),
+    as one matmul with a (h*d, h) matrix holding head i's part of vec in column i."""
+    B, _, C = vec.shape
     if num_heads == 1:
         return torch.bmm(x, vec.transpose(1, 2))
-    return torch.einsum('bnhd,bhd->bnh', x.view(B, N, num_heads, -1), vec.view(B, num_heads, -1))
+    cols = block_diagonal(vec.view(B, num_heads, C // num_heads, 1))
+    return torch.bmm(x, cols)
 
 
-def focus(x: Tensor, s_inv: Tensor, p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """a, r, u, t of the focused mapping (module docstring); phi(x) = (r / t) * u."""
-    a = torch.addcmul(EPS * s_inv, torch.relu(x), s_inv)
+def heads_weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
+    """Per head, sum_n weights[n, i] x[n, head i]: (B, N, h), (B, N, h*d) -> (B, 1, h*d)."""
+    B, N, h = weights.shape
+    full = torch.bmm(weights.transpose(1, 2), x)  # (B, h, h*d)
+    if h == 1:
+        return full
+    return full.view(B, h, h, -1).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, 1, -1)
+
+
+def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True):
+    """a, r, u, t of the focused mapping (module docstring); phi(x) = (r / t) * u.
+
+    ``a = max(x * s_inv + eps * s_inv, eps * s_inv)``, which is
+    ``(relu(x) + eps) * s_inv`` as s_inv > 0, in two passes and one buffer.
+    Without ``keep_a``, u is computed in a's buffer and a is returned as None.
+    """
+    eps_s = EPS * s_inv
+    a = torch.addcmul(eps_s, x, s_inv).clamp_min_(eps_s)
     r = torch.linalg.vector_norm(a, dim=-1, keepdim=True)
-    u = (a / r).pow_(p)
+    u = (a / r if keep_a else a.div_(r)).pow_(p)
     t = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
-    return a, r, u, t
+    return (a if keep_a else None), r, u, t
 
 
 def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Tuple[Tensor, ...],
@@ -79,15 +103,15 @@ def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Tuple[Tensor, ...]
 
     With G = grad_u - (grad_c c / t^2) u (u's total gradient at fixed r) and
     S = sum(G u):  dL/dr = grad_c / t - p S / r  and
-    dL/da = p G u / a + (dL/dr) a / r.  ``grad_u`` is overwritten.
+    dL/da = p (G u / a + (dL/dr) a / (p r)).  ``grad_u`` is overwritten.
     """
     a, r, u, t = parts
     c = r / t
-    g = grad_u.addcmul_(u, grad_c * c / (t * t), value=-1).mul_(u)  # G * u
-    grad_r = grad_c / t - p * g.sum(-1, keepdim=True) / r
-    grad_a = g.div_(a).mul_(p).addcmul_(a, grad_r / r)
-    grad_s_inv = (grad_a * a).sum((0, 1)) / s_inv
-    grad_x = torch.ops.aten.threshold_backward(grad_a.mul_(s_inv), x, 0)
+    g = grad_u.addcmul_(u, grad_c * c / (t * t), value=-1)  # G
+    grad_r = grad_c / t - p * torch.linalg.vecdot(g, u).unsqueeze(-1) / r
+    grad_a_p = g.mul_(u).div_(a).addcmul_(a, grad_r / (p * r))  # dL/da / p
+    grad_s_inv = (grad_a_p * a).sum((0, 1)) * (p / s_inv)
+    grad_x = torch.ops.aten.threshold_backward(grad_a_p.mul_(p * s_inv), x, 0)
     return grad_x, grad_s_inv
 
 
@@ -99,9 +123,9 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def _keys(k: Tensor, s_inv: Tensor, p: float, key_mask: Optional[Tensor]):
+    def _keys(k: Tensor, s_inv: Tensor, p: float, key_mask: Optional[Tensor], keep_a: bool):
         """u and c of the keys, and kappa's other factor: 1 / n, or mask / count."""
-        parts = focus(k, s_inv, p)
+        parts = focus(k, s_inv, p, keep_a)
         _, rk, uk, tk = parts
         if key_mask is None:
             share = k.new_full((1, 1, 1), 1.0 / k.shape[1])
@@ -120,13 +144,12 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
                 num_heads: int, key_mask: Optional[Tensor]) -> Tensor:
         B, N, C = q.shape
         p, h = focusing_factor, num_heads
-        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask)
-        uk = parts_k[2]
-        kappa = ck * share
-        km = torch.bmm(kappa.transpose(1, 2), uk)  # (B, 1, C)
-        kv = heads_outer(uk, v * kappa, h)  # (B, h, d, d)
+        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask, False)
+        uk = parts_k[2].mul_(ck * share)  # kappa * u
+        km = uk.sum(1, keepdim=True)  # (B, 1, C)
+        kv = heads_outer(uk, v, h)  # (B, h, d, d)
         del uk, parts_k
-        _, rq, uq, tq = focus(q, s_inv, p)
+        _, rq, uq, tq = focus(q, s_inv, p, keep_a=False)
         w, _ = FocusedLinearAttentionFn._query_weights(uq, rq / tq, km, h)
         out = heads_mm(uq, kv)
         out.view(B, N, h, -1).mul_(w.unsqueeze(-1))
@@ -148,12 +171,12 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         cq = rq / tq
         w, den = FocusedLinearAttentionFn._query_weights(uq, cq, km, h)
         g_kvt = heads_mm(g, kv.transpose(-1, -2))  # g KV^T, (B, N, C)
-        grad_w = (g_kvt * uq).view(B, N, h, -1).sum(-1)  # = g . (u KV) per head
+        grad_w = torch.linalg.vecdot(g_kvt.view(B, N, h, -1), uq.view(B, N, h, -1))  # g.(u KV)
         grad_w_den2 = grad_w / (den * den)
         grad_cq = (grad_w_den2 * EPS).sum(-1, keepdim=True)
         grad_dot = -grad_w_den2 * cq * cq  # (B, N, h)
         grad_kv = heads_outer(uq, (g.view(B, N, h, -1) * w.unsqueeze(-1)).view(B, N, C), h)
-        grad_km = torch.einsum('bnh,bnhd->bhd', grad_dot, uq.view(B, N, h, -1)).reshape(B, 1, C)
+        grad_km = heads_weighted_sum(grad_dot, uq)  # (B, 1, C)
         grad_uq = g_kvt.view(B, N, h, -1).mul_(w.unsqueeze(-1)).addcmul_(
             grad_dot.unsqueeze(-1), km.view(B, 1, h, -1)).view(B, N, C)
         del g_kvt, uq
@@ -161,28 +184,33 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         del grad_uq, parts_q
 
         # keys: KV = sum_j kappa_j u_j v_j^T, km = sum_j kappa_j u_j, kappa = c / n (masked)
-        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask)
+        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask, True)
         uk = parts_k[2]
         kappa = ck * share
         grad_v = heads_mm(uk, grad_kv).mul_(kappa)
         grad_uk = heads_mm(v, grad_kv.transpose(-1, -2)).add_(grad_km)
-        grad_ck = (grad_uk * uk).sum(-1, keepdim=True) * share
+        grad_ck = torch.linalg.vecdot(grad_uk, uk).unsqueeze(-1) * share
         del uk
         grad_k, grad_s_inv_k = focus_backward(k, s_inv, p, parts_k, grad_uk.mul_(kappa), grad_ck)
         return grad_q, grad_k, grad_v, grad_s_inv + grad_s_inv_k, None, None, None
 
 
 class DepthwiseConvFn(torch.autograd.Function):
-    """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)`` run channels-last,
-    with the weight gradient as one grouped convolution of x by the output
-    gradient."""
+    """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)``, with the weight
+    gradient as one grouped convolution of x by the output gradient (mkldnn's
+    own depth-wise weight gradient is the slowest op of the layer on CPUs).
+
+    Layouts, measured on CPUs: the forward runs on a contiguous copy of x
+    (mkldnn's depth-wise kernel is faster on NCHW than on the channels-last
+    view that (B, n, C) tokens give) but saves x as given, which is V's own
+    storage; the input gradient runs on the output gradient as it comes.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        x = x.contiguous(memory_format=torch.channels_last)
-        pad = weight.shape[-1] // 2
-        ctx.save_for_backward(x, weight)
-        return F.conv2d(x, weight, bias, padding=pad, groups=x.shape[1])
+        ctx.save_for_backward(x, weight)  # as given: V's own storage, no new bytes
+        return F.conv2d(x.contiguous(), weight, bias, padding=weight.shape[-1] // 2,
+                        groups=x.shape[1])
 
     @staticmethod
     @once_differentiable
@@ -191,16 +219,15 @@ class DepthwiseConvFn(torch.autograd.Function):
         B, C, H, W = x.shape
         k = weight.shape[-1]
         pad = k // 2
-        g = grad_out.contiguous(memory_format=torch.channels_last)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = F.conv2d(g, weight.flip(2, 3), padding=pad, groups=C)
+            grad_x = F.conv2d(grad_out, weight.flip(2, 3), padding=pad, groups=C)
         if ctx.needs_input_grad[1]:
-            xp = F.pad(x, (pad, pad, pad, pad)).contiguous()
-            gc = g.contiguous()
+            xp = x.new_zeros(B, C, H + 2 * pad, W + 2 * pad)
+            xp[..., pad:pad + H, pad:pad + W] = x
             grad_w = F.conv2d(xp.view(1, B * C, H + 2 * pad, W + 2 * pad),
-                              gc.view(B * C, 1, H, W), groups=B * C)
+                              grad_out.reshape(B * C, 1, H, W), groups=B * C)
             grad_w = grad_w.view(B, C, 1, k, k).sum(0)
         if ctx.needs_input_grad[2]:
-            grad_b = g.sum((0, 2, 3))
+            grad_b = grad_out.sum((0, 2, 3))
         return grad_x, grad_w, grad_b
