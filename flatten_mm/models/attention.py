@@ -225,7 +225,7 @@ class FocusedLinearAttention(nn.Module):
         w, b = self.kv.weight, self.kv.bias
         k = F.linear(x, w[:C], None if b is None else b[:C])
         v = F.linear(x, w[C:], None if b is None else b[C:])
-        k = k + self.positional_encoding_for(grid)
+        k = k.add_(self.positional_encoding_for(grid))  # k is fresh: no copy needed
         return q, k, v, grid
 
     def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:
@@ -264,7 +264,7 @@ class FocusedLinearAttention(nn.Module):
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
         out = self.attend(q, k, v, key_mask)
-        out = out + self.depthwise_conv(v, grid, hw_shape)
+        out = out.add_(self.depthwise_conv(v, grid, hw_shape))  # attend's own buffer
         return self.proj_drop(self.proj(out))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tensor:

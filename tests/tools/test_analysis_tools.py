@@ -41,12 +41,13 @@ def test_get_flops_of_a_config_and_bad_input(capsys):
 
 def test_benchmark_attention_reports_ratios(tmp_path):
     tool = load_tool('benchmark_attention')
-    rows = tool.main(['--cases', '12x16x32x2', '--repeats', '1', '--out',
-                      str(tmp_path / 'r.json')])
+    rows = tool.main(['--cases', '12x16x32x2', '--repeats', '1', '--variants', 'fast',
+                      'autograd', 'fast-conv2d', '--out', str(tmp_path / 'r.json')])
     (row,) = rows
-    assert row['rel_error'] < 1e-5
-    assert row['saved_ratio'] < 0.4
-    assert row['fast_ms'] > 0 and row['reference_ms'] > 0
+    for name in ('fast', 'autograd', 'fast-conv2d'):
+        assert row[f'{name}_rel_error'] < 1e-5
+    assert row['fast_saved_ratio'] < 0.4 and row['reference_saved_ratio'] == 1
+    assert row['fast_ms'] > 0 and row['reference_time_ratio'] == 1
     with pytest.raises(SystemExit):
         tool.main(['--cases', '12x16x30x4'])  # C not divisible by heads
 

@@ -1,10 +1,13 @@
 """Time one FocusedLinearAttention layer against the plain reference.
 
 The reference (``flatten_mm.models.attention.reference_forward``) follows the
-official op order; the fast path is the module's own forward. Both run on the
-same module, weights and input, interleaved (fast, reference, fast, ...);
-medians and ratios are reported, with the bytes autograd saves for backward
-(unique storages, input and parameters excluded).
+official op order; the fast path is the module's own forward. All paths run on
+the same module, weights and input, interleaved (fast, reference, fast, ...);
+medians and ratios to the reference are reported, with the bytes autograd
+saves for backward (unique storages, input and parameters excluded) and the
+relative error of the output. ``--variants autograd fast-conv2d`` adds the
+ablations: the same formula left to autograd, and the hand-written attention
+with the DWC through ``F.conv2d``.
 
 Example (the issue's two cases: stages 1 and 2 of an 800x1333 image)::
 
@@ -19,10 +22,44 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
-from flatten_mm.models.attention import FocusedLinearAttention, reference_forward  # noqa: E402
+from flatten_mm.models.attention import (FocusedLinearAttention, focusing_map,  # noqa: E402
+                                         linear_attention, reference_forward)
+
+VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d')
+
+
+def torch_dwc(module, v, grid, hw_shape):
+    """The DWC through F.conv2d (autograd's own backward) on a contiguous map."""
+    B, n, C = v.shape
+    v_map = v.transpose(1, 2).reshape(B, C, *grid)
+    if tuple(grid) != tuple(hw_shape):
+        v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
+    weight = module.dwc.weight.repeat(module.num_heads, 1, 1, 1)
+    bias = module.dwc.bias.repeat(module.num_heads)
+    out = F.conv2d(v_map.contiguous(), weight, bias, padding=module.kernel_size // 2, groups=C)
+    return out.flatten(2).transpose(1, 2)
+
+
+def autograd_forward(module, x, hw_shape):
+    """The fast path's formula (focusing_map, linear_attention) left to
+    autograd, with the DWC through F.conv2d: what the hand-written backward
+    and DWC replace."""
+    q, k, v, grid = module.project_qkv(x, hw_shape)
+    s = F.softplus(module.scale)
+    p = module.focusing_factor
+    out = linear_attention(focusing_map(q, s, p), focusing_map(k, s, p), v, module.num_heads)
+    return module.proj(out + torch_dwc(module, v, grid, hw_shape))
+
+
+def fast_conv2d_forward(module, x, hw_shape):
+    """The hand-written attention with the DWC through F.conv2d."""
+    q, k, v, grid = module.project_qkv(x, hw_shape)
+    out = module.attend(q, k, v, None)
+    return module.proj(out + torch_dwc(module, v, grid, hw_shape))
 
 
 def parse_case(text: str):
@@ -50,8 +87,11 @@ def run_case(H, W, C, heads, args, device, dtype):
         module.scale.normal_(0, 0.5)
         module.positional_encoding.normal_(0, 0.02)
     x = torch.randn(1, H * W, C, device=device, dtype=dtype, requires_grad=args.mode == 'fwdbwd')
-    paths = {'fast': lambda: module(x, (H, W)),
-             'reference': lambda: reference_forward(module, x, (H, W))}
+    every = {'fast': lambda: module(x, (H, W)),
+             'reference': lambda: reference_forward(module, x, (H, W)),
+             'autograd': lambda: autograd_forward(module, x, (H, W)),
+             'fast-conv2d': lambda: fast_conv2d_forward(module, x, (H, W))}
+    paths = {name: every[name] for name in args.variants}
 
     def step(fn):
         if args.mode == 'fwd':
@@ -69,19 +109,21 @@ def run_case(H, W, C, heads, args, device, dtype):
             sync(device)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
-    with torch.no_grad():
-        err = ((paths['fast']() - paths['reference']()).norm()
-               / paths['reference']().norm()).item()
     row = dict(case=f'{H}x{W}x{C}x{heads}', mode=args.mode, dtype=str(dtype).split('.')[-1],
-               device=str(device), threads=torch.get_num_threads(), rel_error=err)
+               device=str(device), threads=torch.get_num_threads())
+    with torch.no_grad():
+        ref = every['reference']()
+        for name in paths:
+            row[f'{name}_rel_error'] = ((paths[name]() - ref).norm() / ref.norm()).item()
     for name, fn in paths.items():
         row[f'{name}_ms'] = 1000 * statistics.median(times[name])
+        row[f'{name}_time_ratio'] = row[f'{name}_ms'] / (1000 * statistics.median(times['reference']))
         if args.mode == 'fwdbwd':
             _, nbytes = saved_tensor_bytes(fn, [x, *module.parameters()])
             row[f'{name}_saved_MiB'] = nbytes / 2 ** 20
-    row['time_ratio'] = row['fast_ms'] / row['reference_ms']
     if args.mode == 'fwdbwd':
-        row['saved_ratio'] = row['fast_saved_MiB'] / row['reference_saved_MiB']
+        for name in paths:
+            row[f'{name}_saved_ratio'] = row[f'{name}_saved_MiB'] / row['reference_saved_MiB']
     return row
 
 
@@ -99,25 +141,29 @@ def main(argv=None):
                         help='grid of the positional encoding (resized to each case)')
     parser.add_argument('--warmup', type=int, default=1)
     parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--variants', nargs='+', choices=VARIANTS, default=['fast', 'reference'],
+                        help='paths to time; the reference always runs. autograd: the same '
+                        'formula left to autograd; fast-conv2d: the DWC through F.conv2d')
     parser.add_argument('--out', help='write the rows as JSON here')
     args = parser.parse_args(argv)
+    args.variants = list(dict.fromkeys(['reference'] + args.variants))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[args.dtype]
     rows = [run_case(*case, args, device, dtype) for case in args.cases]
-    header = '| case HxWxCxh | mode | fast ms | reference ms | time ratio |'
-    if args.mode == 'fwdbwd':
-        header += ' fast saved MiB | reference saved MiB | saved ratio |'
+    fwdbwd = args.mode == 'fwdbwd'
+    header = '| case HxWxCxh | path | ms | x reference |' + (
+        ' saved MiB | x reference |' if fwdbwd else '') + ' rel. error |'
     print(header)
     print('|' + '---|' * (header.count('|') - 1))
     for r in rows:
-        line = (f"| {r['case']} | {r['mode']} | {r['fast_ms']:.0f} | {r['reference_ms']:.0f} "
-                f"| {r['time_ratio']:.2f} |")
-        if args.mode == 'fwdbwd':
-            line += (f" {r['fast_saved_MiB']:.1f} | {r['reference_saved_MiB']:.1f} "
-                     f"| {r['saved_ratio']:.2f} |")
-        print(line)
+        for name in args.variants:
+            line = (f"| {r['case']} | {name} | {r[f'{name}_ms']:.0f} "
+                    f"| {r[f'{name}_time_ratio']:.2f} |")
+            if fwdbwd:
+                line += f" {r[f'{name}_saved_MiB']:.1f} | {r[f'{name}_saved_ratio']:.2f} |"
+            print(line + f" {r[f'{name}_rel_error']:.1e} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows
