@@ -213,19 +213,22 @@ class FocusedLinearAttention(nn.Module):
         return resize_tokens(self.positional_encoding, self.pos_grid, grid)
 
     def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:
-        """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid."""
+        """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid.
+
+        k and v are two products rather than slices of one, so each is a
+        fresh contiguous tensor: the positional encoding is added in place,
+        and slicing's backward (a zero-filled buffer per slice) is avoided.
+        """
         q = self.q(x)
         if self.sr_ratio > 1:
             x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
         else:
             grid = tuple(hw_shape)
-        # k and v as two products, so v is contiguous (B, n, C): seen as a
-        # (B, C, h, w) map it is then channels-last with no copy, for the DWC
         C = self.embed_dims
         w, b = self.kv.weight, self.kv.bias
         k = F.linear(x, w[:C], None if b is None else b[:C])
         v = F.linear(x, w[C:], None if b is None else b[C:])
-        k = k.add_(self.positional_encoding_for(grid))  # k is fresh: no copy needed
+        k = k.add_(self.positional_encoding_for(grid))
         return q, k, v, grid
 
     def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:
@@ -308,7 +311,13 @@ def reference_forward(module: FocusedLinearAttention, x: Tensor, hw_shape: HWSha
     """
     B, N, C = x.shape
     h, d = module.num_heads, module.head_dims
-    q, k, v, grid = module.project_qkv(x, hw_shape)
+    q = module.q(x)
+    if module.sr_ratio > 1:
+        x, grid = spatial_reduce(x, hw_shape, module.sr, module.norm)
+    else:
+        grid = tuple(hw_shape)
+    k, v = module.kv(x).chunk(2, dim=-1)
+    k = k + module.positional_encoding_for(grid)
     n = k.shape[1]
     scale = F.softplus(module.scale)
     q = (F.relu(q) + EPS) / scale
