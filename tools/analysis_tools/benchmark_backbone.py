@@ -260,31 +260,43 @@ def write_outputs(rows, out_dir: Path):
 
 
 def plot(rows, path: Path):
+    """Time (both modes) and memory (its measure) against megapixels, one
+    colour per model, solid for fwdbwd, dotted for fwd; an x marks a case
+    that failed (out of memory, timeout) at its size."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     mem_key = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
+    models = list(dict.fromkeys(r['model'] for r in rows))
+    colour = {m: f'C{i}' for i, m in enumerate(models)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {}
     for r in rows:
-        if r['status'] == 'ok':
-            groups.setdefault((r['model'], r['mode'], r['dtype']), []).append(r)
-    for (model, mode, dtype), rs in sorted(groups.items()):
+        groups.setdefault((r['model'], r['mode'], r['dtype']), []).append(r)
+    for (model, mode, dtype), rs in groups.items():
         rs.sort(key=lambda r: r['pixels'])
-        px = [r['pixels'] / 1e6 for r in rs]
-        style = '-' if model.startswith('flatten') else '--'
+        ok = [r for r in rs if r['status'] == 'ok']
+        style = dict(color=colour[model], linestyle='-' if mode == 'fwdbwd' else ':', marker='o')
         label = f'{model} {mode} {dtype}'
-        axes[0].plot(px, [r['median_ms'] for r in rs], style, marker='o', label=label)
-        mem = [(r['pixels'] / 1e6, r[mem_key]) for r in rs if mem_key in r]
-        if mem:
-            axes[1].plot(*zip(*mem), style, marker='o', label=label)
-    axes[0].set(xlabel='megapixels', ylabel='median time per step (ms)', title='time')
+        if ok:
+            axes[0].plot([r['pixels'] / 1e6 for r in ok], [r['median_ms'] / 1e3 for r in ok],
+                         label=label, **style)
+            mem = [(r['pixels'] / 1e6, r[mem_key]) for r in ok if mem_key in r]
+            if mem:
+                axes[1].plot(*zip(*mem), label=label, **style)
+        for r in rs:
+            if r['status'] != 'ok':
+                top = max((x['median_ms'] / 1e3 for x in rows if x['median_ms']), default=1)
+                axes[0].plot(r['pixels'] / 1e6, top, 'x', color=colour[model], markersize=10)
+                axes[0].annotate(f"{model} {mode}: {r['status']}", (r['pixels'] / 1e6, top),
+                                 textcoords='offset points', xytext=(-150, -12), fontsize=7)
+    axes[0].set(xlabel='megapixels', ylabel='median seconds per step', title='time')
     axes[1].set(xlabel='megapixels', ylabel=mem_key.replace('_', ' '), title='memory')
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def print_table(rows):
