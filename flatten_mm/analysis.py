@@ -19,7 +19,7 @@ so it can be reported next to the total without being mixed into it, just
 as a softmax is not part of a softmax backbone's count.
 """
 from collections import Counter
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -133,10 +133,3 @@ def saved_tensor_bytes(fn: Callable[[], object],
         out = fn()
     return out, sum(seen.values())
 
-
-def parameter_count(model: nn.Module, trainable_only: bool = False,
-                    prefix: Optional[str] = None) -> int:
-    """Number of parameters (optionally trainable, under a name prefix)."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if (not trainable_only or p.requires_grad)
-               and (prefix is None or name.startswith(prefix)))

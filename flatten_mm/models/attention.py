@@ -13,9 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import DepthwiseConvFn, FocusedLinearAttentionFn
-
-EPS = 1e-6
+from .ops import EPS, DepthwiseConvFn, FocusedLinearAttentionFn
 
 HWShape = Tuple[int, int]
 

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # flatten_mm without an install (e.g. a bare GPU box)
 
 PVT_LAYERS = dict(t=[2, 2, 2, 2], s=[3, 4, 6, 3], m=[3, 4, 18, 3])
 PVTV2 = dict(b0=(32, [2, 2, 2, 2]), b1=(64, [2, 2, 2, 2]), b2=(64, [3, 4, 6, 3]))
@@ -75,7 +76,6 @@ def build_model(name: str):
     base, _, variant = name.partition('@')
     family, _, size = base.rpartition('-')
     if family.startswith('flatten'):
-        sys.path.insert(0, str(ROOT))
         from flatten_mm.models.backbones import FLattenPVT, FLattenPVTv2, FLattenSwin
         arch = {'t': 'tiny', 's': 'small', 'm': 'medium'}.get(size, size)
         cls = dict(zip(['flatten-pvt', 'flatten-pvtv2', 'flatten-swin'],
@@ -152,7 +152,6 @@ def run_worker(spec: dict) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         result['rss_growth_MiB'] = max(0, peak - rss_before) / 2 ** 20
         if spec['mode'] == 'fwdbwd':
-            sys.path.insert(0, str(ROOT))
             from flatten_mm.analysis import saved_tensor_bytes
             with autocast:
                 outs, nbytes = saved_tensor_bytes(lambda: model(x),

@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from flatten_mm.analysis import flop_analyzer, focusing_ops, parameter_count  # noqa: E402
+from mmengine.analysis import parameter_count  # noqa: E402
+from mmengine.config import DictAction  # noqa: E402
+
+from flatten_mm.analysis import flop_analyzer, focusing_ops  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -31,7 +34,7 @@ def parse_args(argv=None):
     parser.add_argument('--timm', help='a timm model name, e.g. flatten_pvt_tiny')
     parser.add_argument('--shape', type=int, nargs='+', default=[224],
                         help='input H W (one number: square)')
-    parser.add_argument('--cfg-options', nargs='+', default=None,
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config entries (as tools/train.py)')
     parser.add_argument('--out', help='write the numbers as JSON here')
     args = parser.parse_args(argv)
@@ -56,14 +59,12 @@ class _Traced(torch.nn.Module):
 
 
 def from_config(path, shape, cfg_options):
-    from mmengine.config import Config, DictAction
+    from mmengine.config import Config
     from mmengine.registry import DefaultScope, init_default_scope
     import flatten_mm  # noqa: F401
     cfg = Config.fromfile(path)
     if cfg_options:
-        parser = argparse.ArgumentParser()
-        parser.add_argument('--o', nargs='+', action=DictAction)
-        cfg.merge_from_dict(parser.parse_args(['--o', *cfg_options]).o)
+        cfg.merge_from_dict(cfg_options)
     scope = cfg.get('default_scope')
     if scope not in ('mmdet', 'mmseg'):
         raise SystemExit(f'{path}: default_scope must be mmdet or mmseg, got {scope!r}')
@@ -107,7 +108,7 @@ def count(model, call, shape):
         by_op = dict(analyzer.by_operator())
         focus = focusing_ops(model, lambda: call(model, x))
     return dict(shape=list(shape), flops=flops, flops_by_operator=by_op,
-                focusing_elementwise_ops=focus, params=parameter_count(model))
+                focusing_elementwise_ops=focus, params=parameter_count(model)[''])
 
 
 def main(argv=None):
