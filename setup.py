@@ -1,7 +1,14 @@
 """Installs flatten_mm, Focused Linear Attention backbones for OpenMMLab."""
 import os
+import os.path as osp
+import shutil
+import sys
 
 from setuptools import find_packages, setup
+
+# What mim needs inside the installed package: `mim list` / `mim search` read
+# model-index.yml, `mim train flatten_mm CONFIG` runs tools/train.py on configs/.
+MIM_FILES = ('configs', 'tools', 'model-index.yml')
 
 
 def read_version() -> str:
@@ -12,6 +19,33 @@ def read_version() -> str:
     return scope['__version__']
 
 
+def add_mim_extension() -> None:
+    """Put ``MIM_FILES`` into ``flatten_mm/.mim``: links for a develop-style
+    editable install (edits stay visible), copies for wheels and sdists."""
+    if {'develop', 'editable_wheel'} & set(sys.argv):
+        mode = 'symlink'
+    elif {'install', 'bdist_wheel', 'sdist', 'build'} & set(sys.argv):
+        mode = 'copy'
+    else:
+        return
+    root = osp.dirname(osp.abspath(__file__))
+    mim_dir = osp.join(root, 'flatten_mm', '.mim')
+    os.makedirs(mim_dir, exist_ok=True)
+    for name in MIM_FILES:
+        src, dst = osp.join(root, name), osp.join(mim_dir, name)
+        if osp.islink(dst) or osp.isfile(dst):
+            os.remove(dst)
+        elif osp.isdir(dst):
+            shutil.rmtree(dst)
+        if mode == 'symlink':
+            os.symlink(osp.relpath(src, mim_dir), dst)
+        elif osp.isdir(src):
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns('__pycache__', '*.pyc'))
+        else:
+            shutil.copyfile(src, dst)
+
+
+add_mim_extension()
 setup(
     name='flatten_mm',
     version=read_version(),

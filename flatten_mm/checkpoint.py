@@ -188,7 +188,8 @@ def patch_mmengine_loading() -> bool:
 def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:
     """The tensors of a model from a loaded checkpoint: ``checkpoint['model']``
     (the FLatten release), ``['state_dict']`` (mmengine) or the dict itself,
-    with ``module.`` / ``backbone.`` prefixes removed."""
+    with ``module.`` / ``backbone.`` prefixes removed. Of a whole detector or
+    segmenter (keys ``backbone.*``, ``neck.*``, ...) only the backbone is kept."""
     sd = checkpoint
     if isinstance(sd, dict):
         for key in STATE_DICT_KEYS:
@@ -197,6 +198,10 @@ def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:
                 break
     if not isinstance(sd, dict):
         raise ValueError(f'checkpoint holds no state dict (got {type(checkpoint).__name__})')
+    sd = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in sd.items()}
+    if any(k.startswith('backbone.') for k in sd):
+        # a whole detector or segmenter: its backbone is what a backbone loads
+        sd = {k: v for k, v in sd.items() if k.startswith('backbone.')}
     tensors = {}
     for key, value in sd.items():
         if not isinstance(value, torch.Tensor):

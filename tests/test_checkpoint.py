@@ -50,6 +50,10 @@ def test_missing_and_non_checkpoint_files(tmp_path):
 def test_prefixes_and_nesting_are_handled():
     sd = extract_state_dict({'state_dict': {'backbone.a': torch.ones(1), 'meta': 3}})
     assert list(sd) == ['a']
+    # a whole detector: only its backbone
+    sd = extract_state_dict({'state_dict': {'module.backbone.b': torch.ones(1),
+                                            'neck.c': torch.ones(2), 'rpn_head.d': torch.ones(3)}})
+    assert list(sd) == ['b']
     with pytest.raises(ValueError, match='no tensors'):
         extract_state_dict({'model': {'x': 1}})
 

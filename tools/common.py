@@ -18,8 +18,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 def load_config(args) -> Config:
     """Read ``args.config`` with flatten_mm imported, apply --cfg-options,
-    --launcher and --work-dir (default ``work_dirs/<config name>``)."""
-    import flatten_mm  # noqa: F401  (registers the backbones; fixes checkpoint loading)
+    --launcher and --work-dir (default ``work_dirs/<config name>``); without a
+    GPU, set distributed runs up for gloo."""
+    import flatten_mm  # registers the backbones; fixes checkpoint loading
     os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
     cfg = Config.fromfile(args.config)
     cfg.launcher = args.launcher
@@ -29,4 +30,5 @@ def load_config(args) -> Config:
         cfg.work_dir = args.work_dir
     elif cfg.get('work_dir') is None:
         cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    flatten_mm.setup_distributed(cfg)  # gloo and CPU DDP when there is no GPU
     return cfg

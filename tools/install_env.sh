@@ -14,6 +14,7 @@ MMSEG_VERSION=1.2.2
 TIMM_VERSION=1.0.31
 NUMPY_VERSION=2.4.6
 PYCOCOTOOLS_VERSION=2.0.11
+OPENMIM_VERSION=0.3.9
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=$ROOT/.venv
@@ -87,9 +88,20 @@ log "mmdet $MMDET_VERSION, mmsegmentation $MMSEG_VERSION"
 $PIP install -q "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION" \
   "mmcv==$MMCV_VERSION" --find-links "$WHEEL_DIR"
 
-log "flatten_mm (editable)"
-PYTHONWARNINGS=ignore $PIP install -q --no-build-isolation --no-deps -e "$ROOT" \
-  --config-settings editable_mode=compat 2>/dev/null
+# openmim without its download-only dependency (opendatalab pins old setuptools
+# and requests; mim's list, search, train and test commands do not use it)
+log "openmim $OPENMIM_VERSION"
+$PIP install -q --no-deps "openmim==$OPENMIM_VERSION"
+$PIP install -q click colorama model-index pandas rich tabulate requests
 
-"$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, timm, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'timm', timm.__version__)"
+# A develop-style editable install: the distribution's location is the
+# repository, so mim finds flatten_mm/.mim (links to configs/, tools/ and
+# model-index.yml, made by setup.py). pip's PEP 660 editable install would
+# hide it (the location becomes site-packages).
+log "flatten_mm (editable, setup.py develop)"
+"$VENV/bin/python" -m pip uninstall -q -y flatten_mm >/dev/null 2>&1 || true
+(cd "$ROOT" && PYTHONWARNINGS=ignore "$VENV/bin/python" setup.py -q develop --no-deps \
+  >/dev/null 2>&1) || { log "setup.py develop failed"; exit 1; }
+
+"$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, timm, mim, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'timm', timm.__version__)"
 echo "$WANT" > "$STAMP"

@@ -10,6 +10,8 @@ import argparse
 
 from mmengine.runner import Runner
 
+from flatten_mm import RandomStateHook
+
 from common import add_common_args, load_config
 
 
@@ -34,6 +36,10 @@ def build_config(args):
                              'run on the CPU (train in fp32 there).')
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
+    hooks = cfg.get('custom_hooks') or []
+    if not any(h.get('type') in ('RandomStateHook', RandomStateHook) for h in hooks):
+        # random state in checkpoints, so --resume continues as if never stopped
+        cfg.custom_hooks = [*hooks, dict(type='RandomStateHook')]
     if args.resume == 'auto':
         cfg.resume = True
         cfg.load_from = None

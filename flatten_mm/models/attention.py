@@ -268,6 +268,42 @@ class FocusedLinearAttention(nn.Module):
         out = out.add_(self.depthwise_conv(v, grid, hw_shape))  # attend's own buffer
         return self.proj_drop(self.proj(out))
 
+    @torch.no_grad()
+    def attention_weights(self, x: Tensor, hw_shape: HWShape,
+                          queries: Tensor) -> Tuple[Tensor, Tensor, HWShape]:
+        """The attention rows of chosen queries, written out explicitly.
+
+        The focused term of the output for query i is ``sum_j w_ij v_j`` with
+        ``w_ij = phi(q_i).phi(k_j) / (n * (phi(q_i).mean_j phi(k_j) + eps))``
+        per head (rows sum to 1 up to eps); the DWC term is not attention and
+        is left out. For comparison, ``softmax(q_i.k_j / sqrt(d))`` on the
+        same q and k (before the focused mapping) is returned too.
+
+        Args:
+            x (Tensor): (1, N, C) tokens on ``hw_shape``.
+            queries (Tensor): (P,) token indices of the queries.
+
+        Returns:
+            tuple: focused weights (P, heads, n), softmax weights (P, heads,
+            n), and the key grid (h, w) with h * w = n.
+        """
+        if x.dim() != 3 or x.shape[0] != 1:
+            raise ValueError(f'attention_weights takes one image, x of shape (1, N, C); '
+                             f'got {tuple(x.shape)}')
+        q, k, _, grid = self.project_qkv(x, hw_shape)
+        q, k = q[0, queries], k[0]
+        scale = F.softplus(self.scale).view(-1)
+        phi_q = focusing_map(q, scale, self.focusing_factor)
+        phi_k = focusing_map(k, scale, self.focusing_factor)
+        P, n, h, d = q.shape[0], k.shape[0], self.num_heads, self.head_dims
+        phi_q, phi_k = phi_q.view(P, h, d), phi_k.view(n, h, d)
+        scores = torch.einsum('phd,nhd->phn', phi_q, phi_k)
+        norm = torch.einsum('phd,hd->ph', phi_q, phi_k.mean(0)) + EPS
+        focused = scores / (n * norm.unsqueeze(-1))
+        logits = torch.einsum('phd,nhd->phn', q.view(P, h, d), k.view(n, h, d))
+        softmax = (logits * d ** -0.5).softmax(-1)
+        return focused, softmax, grid
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tensor:
         """Focused mapping and linear attention, in fp32 under half precision."""
         dtype = v.dtype

@@ -5,32 +5,10 @@ import json
 import os
 import os.path as osp
 import re
-import subprocess
-import sys
 
 import pytest
 
-ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-
-
-def run(*args, cwd):
-    env = dict(os.environ, PYTHONWARNINGS='ignore')
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
-
-
-@pytest.fixture(scope='module')
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp('shapes')
-    run(osp.join(ROOT, 'tools/make_demo_data.py'), str(out), '--train', '24', '--val', '6',
-        '--size', '64', cwd=ROOT)
-    return str(out)
-
-
-def losses(log: str):
-    return [float(x) for x in re.findall(r'Iter\(train\).*? loss: ([0-9.]+)', log)]
+from demo_runs import ROOT, det_options, losses, run, seg_options
 
 
 def test_data_is_deterministic_and_complete(shapes, tmp_path):
@@ -46,31 +24,6 @@ def test_data_is_deterministic_and_complete(shapes, tmp_path):
     train = json.load(open(osp.join(shapes, 'annotations/instances_train.json')))
     assert len(os.listdir(osp.join(shapes, 'ade/annotations/training'))) == 24
     assert train['annotations'][0]['segmentation'] != coco['annotations'][0]['segmentation']
-
-
-def det_options(shapes, iters):
-    return ['--cfg-options', f'train_cfg.max_iters={iters}', f'train_cfg.val_interval={iters}',
-            f'train_dataloader.dataset.data_root={shapes}/',
-            f'val_dataloader.dataset.data_root={shapes}/',
-            f'test_dataloader.dataset.data_root={shapes}/',
-            f'val_evaluator.ann_file={shapes}/annotations/instances_val.json',
-            f'test_evaluator.ann_file={shapes}/annotations/instances_val.json',
-            'train_dataloader.batch_size=4', 'train_dataloader.num_workers=0',
-            'train_dataloader.persistent_workers=False', 'val_dataloader.num_workers=0',
-            'val_dataloader.persistent_workers=False', 'test_dataloader.num_workers=0',
-            'test_dataloader.persistent_workers=False', 'default_hooks.logger.interval=1']
-
-
-def seg_options(shapes, iters):
-    return ['--cfg-options', f'train_cfg.max_iters={iters}', f'train_cfg.val_interval={iters}',
-            f'train_dataloader.dataset.data_root={shapes}/ade/',
-            f'val_dataloader.dataset.data_root={shapes}/ade/',
-            f'test_dataloader.dataset.data_root={shapes}/ade/',
-            'model.data_preprocessor.size=[64,64]',
-            'train_dataloader.batch_size=4', 'train_dataloader.num_workers=0',
-            'train_dataloader.persistent_workers=False', 'val_dataloader.num_workers=0',
-            'val_dataloader.persistent_workers=False', 'test_dataloader.num_workers=0',
-            'test_dataloader.persistent_workers=False', 'default_hooks.logger.interval=1']
 
 
 def test_detection_demo_trains_evaluates_and_draws(shapes, tmp_path):

@@ -1,0 +1,139 @@
+"""Training-loop pieces mmengine 0.10 lacks: random state in checkpoints, and
+distributed training on CPUs.
+
+:class:`RandomStateHook` stores the Python, numpy and torch random generators
+in every checkpoint and puts them back on ``--resume``, so a run stopped and
+resumed draws the same augmentations, RoI samples and drop-path masks as one
+that never stopped. mmengine itself saves only the seed, and its resume replays
+the data of the finished iterations through the pipeline, which draws from the
+generators again. With data loaded in the main process (``num_workers=0``) the
+hook skips those batches by their indices alone and restores the state saved
+after the last finished iteration; with worker processes (which re-seed
+themselves) the replayed data is already right and only the main process's
+generators are restored.
+
+:func:`setup_distributed` makes mmengine's launchers work on machines without
+a GPU: mmengine's ``init_dist`` calls ``torch.cuda.set_device`` and its DDP
+wrapper is given ``device_ids=[LOCAL_RANK]``, both invalid for a CPU model.
+"""
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+from mmengine.config import Config
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+from mmengine.registry import HOOKS
+
+STATE_KEY = 'random_state'
+
+
+def get_random_state() -> dict:
+    """The state of Python's, numpy's and torch's global generators, in plain
+    types a weights-only ``torch.load`` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = dict(python=random.getstate(),
+                 numpy=(kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+                 torch=torch.get_rng_state())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_random_state(state: dict) -> None:
+    """Inverse of :func:`get_random_state`."""
+    version, internal, gauss = state['python']
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state['numpy']
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+class _IndexSkipper:
+    """Stands in for the train loop's data iterator while mmengine skips the
+    finished iterations: each ``next`` advances the sampler by one batch
+    without loading it; after ``n`` of them the real iterator is put back and
+    the saved random state restored."""
+
+    def __init__(self, loop, n: int, state: dict):
+        self.loop, self.left, self.state = loop, n, state
+        self.real = loop.dataloader_iterator
+        self.batches = self.real._iterator  # torch's single-process iterator
+
+    def __next__(self):
+        self.batches._next_index()
+        self.left -= 1
+        if self.left == 0:
+            self.loop.dataloader_iterator = self.real
+            set_random_state(self.state)
+        return None
+
+
+@HOOKS.register_module()
+class RandomStateHook(Hook):
+    """Save the random generators with each checkpoint; restore them on resume.
+
+    Add it with ``custom_hooks = [dict(type='RandomStateHook')]``;
+    ``tools/train.py`` adds it to every config that lacks it.
+    """
+    priority = 'VERY_LOW'  # restore after the other hooks' before_train
+
+    def __init__(self) -> None:
+        self._resumed: Optional[dict] = None
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        checkpoint[STATE_KEY] = get_random_state()
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        self._resumed = checkpoint.get(STATE_KEY)
+        if self._resumed is None:
+            print_log('the checkpoint holds no random state: the resumed run will '
+                      'draw other random numbers than an uninterrupted one',
+                      logger='current', level=30)
+
+    def before_train(self, runner) -> None:
+        state, self._resumed = self._resumed, None
+        loop = runner.train_loop
+        done = getattr(loop, 'iter', 0)
+        if state is None or done == 0:
+            return
+        iterator = getattr(loop, 'dataloader_iterator', None)
+        inner = getattr(iterator, '_iterator', None)
+        if inner is not None and inner._num_workers == 0 and hasattr(inner, '_next_index'):
+            loop.dataloader_iterator = _IndexSkipper(loop, done, state)
+        else:
+            set_random_state(state)
+
+
+def setup_distributed(cfg: Config) -> None:
+    """Prepare ``cfg`` (launcher already set) for a run without CUDA.
+
+    Initialises a gloo process group from the launcher's environment and wraps
+    the model in DDP with ``device_ids=None``. Does nothing on CUDA machines or
+    for ``launcher='none'``.
+
+    Raises:
+        ValueError: the launcher is not ``pytorch`` (the only one that works
+            without a GPU), or the model uses SyncBN, which gloo cannot run.
+    """
+    if cfg.launcher == 'none' or torch.cuda.is_available():
+        return
+    if cfg.launcher != 'pytorch':
+        raise ValueError(f'launcher={cfg.launcher!r} needs GPUs; on CPUs use '
+                         "launcher='pytorch' (torchrun) with the gloo backend")
+    if 'SyncBN' in cfg.pretty_text:
+        raise ValueError('the config uses SyncBN, which runs only on GPUs (NCCL); '
+                         'for training on CPUs replace it by BN, GN or LN')
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group(backend='gloo')
+    wrapper = cfg.get('model_wrapper_cfg') or dict(
+        type='MMDistributedDataParallel', broadcast_buffers=False,
+        find_unused_parameters=cfg.get('find_unused_parameters', False))
+    wrapper['device_ids'] = None
+    cfg.model_wrapper_cfg = wrapper
+    os.environ.setdefault('LOCAL_RANK', '0')

@@ -1,0 +1,47 @@
+"""Running the tools as a user would (subprocesses), on the tiny shapes data."""
+import os
+import os.path as osp
+import re
+import subprocess
+import sys
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
+
+def run(*args, cwd, env=None, python=True):
+    """Run a script with this Python (or a command, ``python=False``); fail
+    the test with the output's end unless it exits 0. Returns the output."""
+    env = dict(os.environ, PYTHONWARNINGS='ignore', **(env or {}))
+    cmd = [sys.executable, *args] if python else list(args)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def losses(log: str):
+    return [float(x) for x in re.findall(r'Iter\(train\).*? loss: ([0-9.]+)', log)]
+
+
+def det_options(shapes, iters):
+    return ['--cfg-options', f'train_cfg.max_iters={iters}', f'train_cfg.val_interval={iters}',
+            f'train_dataloader.dataset.data_root={shapes}/',
+            f'val_dataloader.dataset.data_root={shapes}/',
+            f'test_dataloader.dataset.data_root={shapes}/',
+            f'val_evaluator.ann_file={shapes}/annotations/instances_val.json',
+            f'test_evaluator.ann_file={shapes}/annotations/instances_val.json',
+            'train_dataloader.batch_size=4', 'train_dataloader.num_workers=0',
+            'train_dataloader.persistent_workers=False', 'val_dataloader.num_workers=0',
+            'val_dataloader.persistent_workers=False', 'test_dataloader.num_workers=0',
+            'test_dataloader.persistent_workers=False', 'default_hooks.logger.interval=1']
+
+
+def seg_options(shapes, iters):
+    return ['--cfg-options', f'train_cfg.max_iters={iters}', f'train_cfg.val_interval={iters}',
+            f'train_dataloader.dataset.data_root={shapes}/ade/',
+            f'val_dataloader.dataset.data_root={shapes}/ade/',
+            f'test_dataloader.dataset.data_root={shapes}/ade/',
+            'model.data_preprocessor.size=[64,64]',
+            'train_dataloader.batch_size=4', 'train_dataloader.num_workers=0',
+            'train_dataloader.persistent_workers=False', 'val_dataloader.num_workers=0',
+            'val_dataloader.persistent_workers=False', 'test_dataloader.num_workers=0',
+            'test_dataloader.persistent_workers=False', 'default_hooks.logger.interval=1']
