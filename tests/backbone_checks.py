@@ -14,12 +14,47 @@ def assert_cp_gives_same_gradients(make, x):
 
 
 def assert_autocast_finite(model, dtype, x):
-    """Half-precision autocast stays finite and within 5% of fp32."""
-    model.eval()
+    """Half-precision autocast, forward and backward, stays finite and close
+    to fp32 (relative in norm): every output within 2%; each parameter's
+    gradient within 8% (bf16) or 20% (fp16, with a dynamic loss scale).
+
+    Measured on the small test backbones at 64x64 with inputs x100: outputs
+    at worst 0.12% (fp16) / 0.91% (bf16); gradients 4.2% (PVTv2) to 5.1%
+    (Swin) in bf16, 0.5% (PVTv2) / 1.1% (Swin) / 12.6% (PVT, stage-4 query
+    weights) in fp16, where the loss scale that keeps the largest gradients
+    finite (2^8) leaves the smallest near fp16's subnormal range. The loss is
+    a fixed random projection of the outputs (a sum of squares of LayerNorm
+    outputs would be constant, its gradient rounding noise)."""
+    model.train()
+    for m in model.modules():  # no randomness: compare like for like
+        if hasattr(m, 'drop_prob'):
+            m.drop_prob = 0.0
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        ref = model(x)
+        weights = [torch.randn(o.shape, generator=g) for o in model(x)]
+
+    def run(loss_scale=1.0):
+        model.zero_grad()
+        outs = model(x)
+        loss = sum((o.float() * w).mean() for o, w in zip(outs, weights))
+        (loss * loss_scale).backward()
+        return [o.detach().float() for o in outs], {
+            n: p.grad / loss_scale for n, p in model.named_parameters() if p.grad is not None}
+    ref_outs, ref_grads = run()
+    # fp16 trains with a dynamic loss scale (AmpOptimWrapper's): the largest
+    # of these without inf; unscaled, small gradients fall into subnormals
+    for scale in ((2.0 ** 12, 2.0 ** 8, 2.0 ** 4, 1.0) if dtype == torch.float16 else (1.0,)):
         with torch.autocast('cpu', dtype=dtype):
-            outs = model(x)
-    for o, r in zip(outs, ref):
+            outs, grads = run(scale)
+        if all(torch.isfinite(g).all() for g in grads.values()):
+            break
+    for o, r in zip(outs, ref_outs):
         assert torch.isfinite(o).all()
-        assert ((o.float() - r).norm() / r.norm()).item() < 0.05
+        assert ((o - r).norm() / r.norm()).item() < 0.02
+    assert grads.keys() == ref_grads.keys()
+    grad_tol = 0.2 if dtype == torch.float16 else 0.08
+    for name, grad in grads.items():
+        r = ref_grads[name]
+        assert torch.isfinite(grad).all(), name
+        err = ((grad.float() - r).norm() / r.norm()).item()
+        assert err < grad_tol, f'{name}: gradient off by {err:.3f} relative'

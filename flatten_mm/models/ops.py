@@ -219,15 +219,18 @@ class DepthwiseConvFn(torch.autograd.Function):
         B, C, H, W = x.shape
         k = weight.shape[-1]
         pad = k // 2
+        # under autocast the forward ran in half precision: so does the backward
+        dtype = grad_out.dtype
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = F.conv2d(grad_out, weight.flip(2, 3), padding=pad, groups=C)
+            grad_x = F.conv2d(grad_out, weight.to(dtype).flip(2, 3), padding=pad, groups=C)
+            grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            xp = x.new_zeros(B, C, H + 2 * pad, W + 2 * pad)
+            xp = x.new_zeros(B, C, H + 2 * pad, W + 2 * pad, dtype=dtype)
             xp[..., pad:pad + H, pad:pad + W] = x
             grad_w = F.conv2d(xp.view(1, B * C, H + 2 * pad, W + 2 * pad),
                               grad_out.reshape(B * C, 1, H, W), groups=B * C)
-            grad_w = grad_w.view(B, C, 1, k, k).sum(0)
+            grad_w = grad_w.view(B, C, 1, k, k).sum(0, dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
-            grad_b = grad_out.sum((0, 2, 3))
+            grad_b = grad_out.sum((0, 2, 3), dtype=weight.dtype)
         return grad_x, grad_w, grad_b

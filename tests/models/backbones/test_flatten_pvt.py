@@ -90,6 +90,7 @@ def test_bad_input():
         m(torch.randn(3, 64, 64))
 
 
+@pytest.mark.parametrize('cls', [FLattenPVT, FLattenPVTv2])
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
-def test_autocast_scaled_inputs_are_finite(dtype):
-    assert_autocast_finite(small_pvt(), dtype, torch.randn(1, 3, 64, 64) * 100)
+def test_autocast_scaled_inputs_are_finite(cls, dtype):
+    assert_autocast_finite(small_pvt(cls), dtype, torch.randn(1, 3, 64, 64) * 100)
