@@ -31,14 +31,16 @@ def files(tmp_path_factory):
 
 def explicit_rows(layer, x, hw, queries):
     """Mean over heads of phi(q_i).phi(k_j) / sum_j phi(q_i).phi(k_j), from the
-    layer's weights: q, reduced keys (+ positional encoding), phi_p."""
+    layer's weights: q, keys (reduced if sr_ratio > 1) + positional encoding,
+    phi_p."""
     C, h = layer.embed_dims, layer.num_heads
     q = layer.q(x)[0]
-    grid_map = x.transpose(1, 2).reshape(1, C, *hw)
-    red = layer.sr(grid_map)
-    grid = red.shape[2:]
-    k = F.linear(layer.norm(red.flatten(2).transpose(1, 2)), layer.kv.weight[:C],
-                 layer.kv.bias[:C])[0] + layer.positional_encoding_for(tuple(grid))[0]
+    grid = hw
+    if layer.sr_ratio > 1:
+        red = layer.sr(x.transpose(1, 2).reshape(1, C, *hw))
+        grid, x = tuple(red.shape[2:]), layer.norm(red.flatten(2).transpose(1, 2))
+    k = F.linear(x, layer.kv.weight[:C], layer.kv.bias[:C])[0] + \
+        layer.positional_encoding_for(grid)[0]
     s = F.softplus(layer.scale).view(-1)
 
     def phi(t):
@@ -58,7 +60,7 @@ def test_drawn_rows_equal_explicit_attention(files, tmp_path):
                '--points', '0.5,0.5', '0.05,0.95', '1,0', '--out', out])
     drawn = np.load(str(tmp_path / 'attn.npz'))
     assert str(drawn['layer']) == 'block1.1.attn'
-    assert tuple(drawn['query_grid']) == (16, 24) and tuple(drawn['grid']) == (2, 3)
+    assert tuple(drawn['query_grid']) == (16, 24) and tuple(drawn['grid']) == (16, 24)
     assert drawn['queries'].tolist() == [8 * 24 + 12, 15 * 24 + 1, 23]
 
     model = FLattenPVT(arch='tiny', init_cfg=dict(type='Pretrained', checkpoint=ckpt))
@@ -72,7 +74,7 @@ def test_drawn_rows_equal_explicit_attention(files, tmp_path):
         model(x)
         rows, grid = explicit_rows(layer, caught['x'], caught['hw'],
                                    torch.as_tensor(drawn['queries']))
-    assert grid == (2, 3)
+    assert grid == (16, 24)
     np.testing.assert_allclose(drawn['focused_map'].reshape(3, -1), rows.numpy(),
                                rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(drawn['softmax_map'].reshape(3, -1).sum(-1), 1.0, rtol=1e-6)
