@@ -8,7 +8,7 @@ under torch >= 2.6 (see :func:`flatten_mm.checkpoint.patch_mmengine_loading`), s
 in a config is all an OpenMMLab project needs.
 """
 from .checkpoint import load_checkpoint_file, load_pretrained, patch_mmengine_loading
-from .engine import RandomStateHook, setup_distributed
+from .engine import EmptyDatasetHook, RandomStateHook, setup_distributed
 from .models import (FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention,
                      focusing_map, linear_attention)
 from .registry import register_openmmlab, register_timm
@@ -20,4 +20,4 @@ patch_mmengine_loading()
 
 __all__ = ['__version__', 'FocusedLinearAttention', 'focusing_map', 'linear_attention',
            'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'load_checkpoint_file',
-           'load_pretrained', 'RandomStateHook', 'setup_distributed']
+           'load_pretrained', 'EmptyDatasetHook', 'RandomStateHook', 'setup_distributed']

@@ -109,6 +109,53 @@ class RandomStateHook(Hook):
             set_random_state(state)
 
 
+def _dataset_description(dataset) -> str:
+    parts = [type(dataset).__name__]
+    for attr in ('data_root', 'ann_file', 'data_prefix'):
+        value = getattr(dataset, attr, None)
+        if value:
+            parts.append(f'{attr}={value!r}')
+    return ', '.join(parts)
+
+
+@HOOKS.register_module()
+class EmptyDatasetHook(Hook):
+    """Stop with a clear error when a dataset holds no samples.
+
+    An empty training set would otherwise hang mmengine's InfiniteSampler
+    forever, and an empty validation set ends in an error deep inside a
+    metric. ``tools/train.py`` and ``tools/test.py`` add this hook.
+    """
+    priority = 'VERY_HIGH'
+
+    @staticmethod
+    def _check(loader, split: str) -> None:
+        dataset = getattr(loader, 'dataset', None)
+        if dataset is not None and len(dataset) == 0:
+            raise ValueError(f'the {split} dataset holds no samples '
+                             f'({_dataset_description(dataset)}): check the paths, '
+                             'and that annotations exist and match the images')
+
+    def before_train(self, runner) -> None:
+        self._check(runner.train_dataloader, 'training')
+
+    def before_val(self, runner) -> None:
+        self._check(runner.val_dataloader, 'validation')
+
+    def before_test(self, runner) -> None:
+        self._check(runner.test_dataloader, 'test')
+
+
+def add_hooks(cfg: Config, *types: str) -> None:
+    """Append hooks of ``types`` to ``cfg.custom_hooks`` unless already there."""
+    hooks = list(cfg.get('custom_hooks') or [])
+    present = {h.get('type') for h in hooks}
+    for t in types:
+        if t not in present:
+            hooks.append(dict(type=t))
+    cfg.custom_hooks = hooks
+
+
 def setup_distributed(cfg: Config) -> None:
     """Prepare ``cfg`` (launcher already set) for a run without CUDA.
 

@@ -8,6 +8,8 @@ import os.path as osp
 
 from mmengine.runner import Runner
 
+from flatten_mm.engine import add_hooks
+
 from common import add_common_args, load_config
 
 
@@ -28,6 +30,7 @@ def main(argv=None):
     if not osp.isfile(args.checkpoint):
         raise SystemExit(f'checkpoint not found: {args.checkpoint}')
     cfg.load_from = args.checkpoint
+    add_hooks(cfg, 'EmptyDatasetHook')
     if args.show_dir:
         is_det = cfg.get('default_scope') == 'mmdet'
         if 'visualization' not in cfg.default_hooks:

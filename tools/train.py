@@ -10,7 +10,7 @@ import argparse
 
 from mmengine.runner import Runner
 
-from flatten_mm import RandomStateHook
+from flatten_mm.engine import add_hooks
 
 from common import add_common_args, load_config
 
@@ -36,10 +36,9 @@ def build_config(args):
                              'run on the CPU (train in fp32 there).')
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
-    hooks = cfg.get('custom_hooks') or []
-    if not any(h.get('type') in ('RandomStateHook', RandomStateHook) for h in hooks):
-        # random state in checkpoints, so --resume continues as if never stopped
-        cfg.custom_hooks = [*hooks, dict(type='RandomStateHook')]
+    # random state in checkpoints, so --resume continues as if never stopped;
+    # a clear error for an empty dataset
+    add_hooks(cfg, 'RandomStateHook', 'EmptyDatasetHook')
     if args.resume == 'auto':
         cfg.resume = True
         cfg.load_from = None

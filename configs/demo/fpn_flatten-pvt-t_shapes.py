@@ -16,7 +16,7 @@ metainfo = dict(classes=('background', 'circle', 'square', 'triangle'),
                 palette=[[0, 0, 0], [220, 20, 60], [0, 128, 255], [0, 200, 0]])
 img_size = (96, 96)
 head_dims = 128
-max_iters = 2200
+max_iters = 2600
 norm_cfg = dict(type='GN', num_groups=16, requires_grad=True)
 
 model = dict(

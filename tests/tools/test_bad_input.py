@@ -1,0 +1,76 @@
+"""What a user gets from tools/train.py for a config or data that cannot work:
+an error whose last line names the problem (not a shape mismatch or a hang)."""
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+from demo_runs import ROOT, seg_options
+from official_format import write_official_checkpoint
+
+SEG = osp.join(ROOT, 'configs/demo/fpn_flatten-pvt-t_shapes.py')
+
+
+def train_error(*args, cwd=ROOT):
+    """Run tools/train.py, expect it to fail, return its last output line."""
+    env = dict(os.environ, PYTHONWARNINGS='ignore')
+    proc = subprocess.run([sys.executable, osp.join(ROOT, 'tools/train.py'), *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return [line for line in proc.stderr.splitlines() if line.strip()][-1]
+
+
+def config_with_backbone(tmp_path, **backbone):
+    path = tmp_path / 'bad_config.py'
+    path.write_text(f'_base_ = [{SEG!r}]\nmodel = dict(backbone=dict(**{backbone!r}))\n')
+    return str(path)
+
+
+def test_unknown_backbone_option(shapes, tmp_path):
+    cfg = config_with_backbone(tmp_path, window_sz=7)
+    last = train_error(cfg, '--work-dir', str(tmp_path / 'w'), *seg_options(shapes, 1))
+    assert "unexpected keyword argument 'window_sz'" in last and 'FLattenPVT' in last
+
+
+def test_wrong_arch(shapes, tmp_path):
+    cfg = config_with_backbone(tmp_path, arch='huge')
+    last = train_error(cfg, '--work-dir', str(tmp_path / 'w'), *seg_options(shapes, 1))
+    assert "arch must be one of ['tiny', 'small', 'medium', 'large'], got 'huge'" in last
+
+
+def test_missing_checkpoint(shapes, tmp_path):
+    missing = str(tmp_path / 'flatten_pvt_tiny.pth')
+    cfg = config_with_backbone(tmp_path, init_cfg=dict(type='Pretrained', checkpoint=missing))
+    last = train_error(cfg, '--work-dir', str(tmp_path / 'w'), *seg_options(shapes, 1))
+    assert last.endswith(f'checkpoint file not found: {missing}')
+
+
+def test_checkpoint_of_another_architecture(shapes, tmp_path):
+    swin = str(tmp_path / 'flatten_swin_tiny.pth')
+    write_official_checkpoint(swin, 'flatten_swin_tiny')
+    cfg = config_with_backbone(tmp_path, init_cfg=dict(type='Pretrained', checkpoint=swin))
+    last = train_error(cfg, '--work-dir', str(tmp_path / 'w'), *seg_options(shapes, 1))
+    assert f'{swin} does not fit FLattenPVT' in last
+    assert 'Is it a checkpoint of another architecture?' in last
+
+
+def test_empty_dataset(shapes, tmp_path):
+    empty = tmp_path / 'empty'
+    for d in ('images/training', 'annotations/training', 'images/validation',
+              'annotations/validation'):
+        (empty / d).mkdir(parents=True)
+    opts = seg_options(shapes, 1)
+    opts = [o.replace(f'{shapes}/ade/', f'{empty}/') for o in opts]
+    last = train_error(SEG, '--work-dir', str(tmp_path / 'w'), *opts)
+    assert 'the training dataset holds no samples (BaseSegDataset' in last
+    assert f"data_root='{empty}/'" in last
+
+
+def test_amp_without_gpu_says_so(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip('a GPU is present: --amp works')
+    last = train_error(SEG, '--amp', '--work-dir', str(tmp_path / 'w'))
+    assert "--amp needs a GPU: mmengine's AmpOptimWrapper does not run on the CPU" in last
