@@ -146,6 +146,30 @@ class EmptyDatasetHook(Hook):
         self._check(runner.test_dataloader, 'test')
 
 
+def patch_empty_dataset_error() -> bool:
+    """Make mmengine datasets that find no samples say so.
+
+    mmengine 0.10's ``BaseDataset.full_init`` serialises the sample list with
+    ``np.concatenate``, which fails on an empty list with "need at least one
+    array to concatenate". The patched step raises a ValueError naming the
+    dataset and its paths instead. Returns False if already patched.
+    """
+    from mmengine.dataset import BaseDataset
+    original = BaseDataset._serialize_data
+    if getattr(original, '_flatten_mm', False):
+        return False
+
+    def _serialize_data(self):
+        if len(self.data_list) == 0:
+            raise ValueError(f'the dataset holds no samples ({_dataset_description(self)}): '
+                             'check the paths, and that annotations exist and '
+                             'match the images')
+        return original(self)
+    _serialize_data._flatten_mm = True
+    BaseDataset._serialize_data = _serialize_data
+    return True
+
+
 def add_hooks(cfg: Config, *types: str) -> None:
     """Append hooks of ``types`` to ``cfg.custom_hooks`` unless already there."""
     hooks = list(cfg.get('custom_hooks') or [])

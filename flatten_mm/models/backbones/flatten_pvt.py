@@ -104,7 +104,12 @@ class FLattenPyramid(FLattenBackbone):
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
-                 init_cfg: Optional[dict] = None):
+                 init_cfg: Optional[dict] = None,
+                 **unknown):
+        if unknown:  # name the class the user asked for, not this base class
+            raise TypeError(f'{type(self).__name__} got unexpected argument(s) '
+                            f'{", ".join(map(repr, sorted(unknown)))}; see its docstring '
+                            'for the arguments it takes')
         super().__init__(init_cfg=init_cfg)
         preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
                                     num_heads=num_heads, mlp_ratios=mlp_ratios)
