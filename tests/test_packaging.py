@@ -82,3 +82,30 @@ def test_wheel_ships_mim_files_and_mim_trains_from_it(shapes, tmp_path):
               '--work-dir', work, *seg_options(shapes, 2), env=env, cwd=str(tmp_path))
     assert osp.join(target, 'flatten_mm', '.mim', 'tools', 'train.py') in log
     assert len(losses(log)) == 2 and osp.exists(osp.join(work, 'iter_2.pth'))
+
+
+def test_mim_install_editable_into_an_environment_with_the_stack(tmp_path):
+    """`mim install -e .` in another environment that already has the
+    OpenMMLab stack (this one's packages, reached through a .pth file)."""
+    import sysconfig
+    src, venv = str(tmp_path / 'src'), str(tmp_path / 'venv')
+    copy_sources(src)
+    run('-m', 'venv', venv, cwd=str(tmp_path))
+    site = subprocess.run([osp.join(venv, 'bin', 'python'), '-c',
+                           'import sysconfig; print(sysconfig.get_paths()["purelib"])'],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(osp.join(site, 'openmmlab_stack.pth'), 'w') as f:
+        f.write(sysconfig.get_paths()['purelib'] + '\n')
+    py = osp.join(venv, 'bin', 'python')
+    run(py, '-m', 'mim', 'install', '-e', '.', '--no-deps', '--no-build-isolation',
+        cwd=src, python=False, env=dict(MMCV_BASE_URL='file:///nonexistent'))
+    where = run(py, '-c', 'import flatten_mm, mmdet, mmseg; print(flatten_mm.__file__)',
+                cwd=str(tmp_path), python=False)
+    assert where.strip().endswith(osp.join(src, 'flatten_mm', '__init__.py'))
+    listed = [line.split() for line in run(py, '-m', 'mim', 'list', cwd=str(tmp_path),
+                                            python=False).splitlines()]
+    assert ['flatten-mm', __import__('flatten_mm').__version__, src] in listed
+    # this environment's own editable install is untouched
+    here = run('-c', 'import flatten_mm; print(flatten_mm.__file__)', cwd=str(tmp_path))
+    assert here.strip() == osp.join(ROOT, 'flatten_mm', '__init__.py')
+    assert osp.islink(osp.join(ROOT, 'flatten_mm', '.mim', 'configs'))
