@@ -65,7 +65,16 @@ class _IndexSkipper:
         self.batches = self.real._iterator  # torch's single-process iterator
 
     def __next__(self):
-        self.batches._next_index()
+        try:
+            self.batches._next_index()
+        except StopIteration:  # a finite sampler's epoch ended: start the next one
+            real = self.real
+            real._epoch += 1
+            sampler = getattr(real._dataloader, 'sampler', None)
+            if hasattr(sampler, 'set_epoch'):
+                sampler.set_epoch(real._epoch)
+            real._iterator = self.batches = iter(real._dataloader)
+            self.batches._next_index()
         self.left -= 1
         if self.left == 0:
             self.loop.dataloader_iterator = self.real

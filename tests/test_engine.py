@@ -69,3 +69,15 @@ def test_empty_dataset_hook_and_patch_name_the_dataset(tmp_path):
     with pytest.raises(ValueError, match=rf"the dataset holds no samples \(Empty, "
                                          rf"data_root='{tmp_path}'"):
         Empty(data_root=str(tmp_path), ann_file='')
+
+
+def test_index_skipper_crosses_epochs_of_a_finite_sampler():
+    from mmengine.runner.loops import _InfiniteDataloaderIterator
+    loader = DataLoader(list(range(5)), batch_size=2, shuffle=False)
+    real = _InfiniteDataloaderIterator(loader)
+    loop = SimpleNamespace(dataloader_iterator=real)
+    loop.dataloader_iterator = _IndexSkipper(loop, 4, get_random_state())
+    for _ in range(4):  # 3 batches in an epoch: the 4th skip starts epoch 1
+        next(loop.dataloader_iterator)
+    assert loop.dataloader_iterator is real and real._epoch == 1
+    assert next(real).tolist() == [2, 3]
