@@ -19,9 +19,12 @@ OPENMIM_VERSION=0.3.9
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=$ROOT/.venv
 PIP="pip_quiet"
-# pip, without the notes about this machine's local indexes and setuptools' banners
+# pip, without the notes about this machine's local indexes, setuptools' banners
+# and the complaint about openmim's dependency left out on purpose (below)
 pip_quiet() {
-  "$VENV/bin/python" -m pip "$@" 2> >(grep -v -e 'is ignored: it is neither' -e 'BuildBackendWarning' >&2)
+  "$VENV/bin/python" -m pip "$@" 2> >(grep -v -e 'is ignored: it is neither' -e 'BuildBackendWarning' \
+    -e 'dependency resolver does not currently take' -e 'source of the following dependency conflicts' \
+    -e 'openmim 0.3.9 requires opendatalab' >&2)
 }
 export PIP_NO_WARN_SCRIPT_LOCATION=1
 STAMP=$VENV/.flatten_mm-install
