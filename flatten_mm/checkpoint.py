@@ -40,7 +40,6 @@ TOLERATED_GLOBALS = (
     r'yacs\.config\.CfgNode$',
     r'argparse\.Namespace$',
 )
-STRIPPED_PREFIXES = ('module.', 'backbone.')
 
 
 class ForeignObject(dict):
@@ -185,6 +184,10 @@ def patch_mmengine_loading() -> bool:
     return True
 
 
+def _strip(key: str, prefix: str) -> str:
+    return key[len(prefix):] if key.startswith(prefix) else key
+
+
 def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:
     """The tensors of a model from a loaded checkpoint: ``checkpoint['model']``
     (the FLatten release), ``['state_dict']`` (mmengine) or the dict itself,
@@ -198,18 +201,11 @@ def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:
                 break
     if not isinstance(sd, dict):
         raise ValueError(f'checkpoint holds no state dict (got {type(checkpoint).__name__})')
-    sd = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in sd.items()}
-    if any(k.startswith('backbone.') for k in sd):
-        # a whole detector or segmenter: its backbone is what a backbone loads
-        sd = {k: v for k, v in sd.items() if k.startswith('backbone.')}
-    tensors = {}
-    for key, value in sd.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        for prefix in STRIPPED_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix):]
-        tensors[key] = value
+    # DDP's wrapper prefix, then, of a whole detector or segmenter, the backbone
+    tensors = {_strip(k, 'module.'): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    if any(k.startswith('backbone.') for k in tensors):
+        tensors = {_strip(k, 'backbone.'): v for k, v in tensors.items()
+                   if k.startswith('backbone.')}
     if not tensors:
         raise ValueError('checkpoint holds no tensors')
     return tensors

@@ -16,7 +16,6 @@ generators are restored.
 a GPU: mmengine's ``init_dist`` calls ``torch.cuda.set_device`` and its DDP
 wrapper is given ``device_ids=[LOCAL_RANK]``, both invalid for a CPU model.
 """
-import os
 import random
 from typing import Optional
 
@@ -67,14 +66,11 @@ class _IndexSkipper:
     def __next__(self):
         try:
             self.batches._next_index()
-        except StopIteration:  # a finite sampler's epoch ended: start the next one
-            real = self.real
-            real._epoch += 1
-            sampler = getattr(real._dataloader, 'sampler', None)
-            if hasattr(sampler, 'set_epoch'):
-                sampler.set_epoch(real._epoch)
-            real._iterator = self.batches = iter(real._dataloader)
-            self.batches._next_index()
+        except StopIteration:
+            # a finite sampler's epoch ended: mmengine's iterator starts the
+            # next one (loading its first batch; the state is restored below)
+            next(self.real)
+            self.batches = self.real._iterator
         self.left -= 1
         if self.left == 0:
             self.loop.dataloader_iterator = self.real
@@ -216,4 +212,3 @@ def setup_distributed(cfg: Config) -> None:
         find_unused_parameters=cfg.get('find_unused_parameters', False))
     wrapper['device_ids'] = None
     cfg.model_wrapper_cfg = wrapper
-    os.environ.setdefault('LOCAL_RANK', '0')

@@ -7,6 +7,7 @@ benchmarked on a machine without mmcv, mmdet or mmseg.
 Notation: x is (B, N, C) on an H x W grid, h heads of d = C / h channels,
 n keys (n = N, or fewer with spatial reduction).
 """
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -89,19 +90,14 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     return out.reshape(B, N, C)
 
 
-def linear_resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
-    """(dst, src) weights of 1-D linear resizing, as ``F.interpolate(...,
-    mode='linear', align_corners=False)`` computes it."""
-    pos = ((torch.arange(dst, device=like.device, dtype=torch.float64) + 0.5) * (src / dst)
-           - 0.5).clamp_(min=0)
-    lo = pos.floor().long().clamp_(max=src - 1)
-    hi = (lo + 1).clamp_(max=src - 1)
-    frac = pos - lo
-    weights = torch.zeros(dst, src, device=like.device, dtype=torch.float64)
-    rows = torch.arange(dst, device=like.device)
-    weights.index_put_((rows, lo), 1 - frac, accumulate=True)
-    weights.index_put_((rows, hi), frac, accumulate=True)
-    return weights.to(like.dtype)
+@functools.lru_cache(maxsize=64)
+def linear_resize_matrix(src: int, dst: int, device: torch.device,
+                         dtype: torch.dtype) -> Tensor:
+    """(dst, src) weights of 1-D linear resizing: ``F.interpolate(...,
+    mode='linear', align_corners=False)`` applied to the identity. Cached, so
+    a layer's forward builds none."""
+    eye = torch.eye(src, device=device, dtype=torch.float64).unsqueeze(0)
+    return F.interpolate(eye, size=dst, mode='linear', align_corners=False)[0].t().to(dtype)
 
 
 def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
@@ -113,8 +109,8 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     if tuple(src) == tuple(dst):
         return tokens
     B, _, C = tokens.shape
-    rh = linear_resize_matrix(src[0], dst[0], tokens)
-    rw = linear_resize_matrix(src[1], dst[1], tokens)
+    rh = linear_resize_matrix(src[0], dst[0], tokens.device, tokens.dtype)
+    rw = linear_resize_matrix(src[1], dst[1], tokens.device, tokens.dtype)
     grid = tokens.reshape(B * src[0], src[1], C)
     grid = torch.matmul(rw, grid)                                  # (B*h, W, C)
     grid = torch.matmul(rh, grid.reshape(B, src[0], dst[1] * C))   # (B, H, W*C)
