@@ -91,29 +91,37 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
 
 
 @functools.lru_cache(maxsize=64)
-def linear_resize_matrix(src: int, dst: int, device: torch.device,
-                         dtype: torch.dtype) -> Tensor:
-    """(dst, src) weights of 1-D linear resizing: ``F.interpolate(...,
-    mode='linear', align_corners=False)`` applied to the identity. Cached, so
-    a layer's forward builds none."""
-    eye = torch.eye(src, device=device, dtype=torch.float64).unsqueeze(0)
-    return F.interpolate(eye, size=dst, mode='linear', align_corners=False)[0].t().to(dtype)
+def linear_resize_taps(src: int, dst: int, device: torch.device
+                       ) -> Tuple[Tensor, Tensor, Tensor]:
+    """1-D linear resizing from ``src`` to ``dst`` samples as two taps per
+    output: ``out[i] = lerp(x[lo[i]], x[hi[i]], frac[i])``. Read off
+    ``F.interpolate(..., mode='linear', align_corners=False)`` applied to the
+    identity, so the weights are torch's own; cached per device."""
+    eye = torch.eye(src, dtype=torch.float64).unsqueeze(0)
+    weights = F.interpolate(eye, size=dst, mode='linear', align_corners=False)[0].t()
+    lo = (weights > 0).to(torch.uint8).argmax(1)  # first source with weight
+    hi = (lo + 1).clamp_max(src - 1)
+    frac = torch.where(hi > lo, weights.gather(1, hi[:, None])[:, 0], 0.)
+    return lo.to(device), hi.to(device), frac.to(device)
 
 
 def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
-    """Resize (B, h*w, C) tokens laid on ``src`` to ``dst`` in 2-D (bilinear,
-    ``align_corners=False``), as two matrix products on the token layout:
-    no (B, C, H, W) copies either way, and a backward of two GEMMs where
-    ``F.interpolate``'s is a scatter (9 ms of a 100x167 stage-2 layer's
-    forward+backward on 2 CPU cores before, measured)."""
+    """Resize (B, h*w, C) tokens laid on ``src`` to ``dst`` (bilinear,
+    ``align_corners=False``) on the token layout, one axis at a time: two row
+    gathers and a ``lerp`` per axis, whose backward is an ``index_add``
+    (``F.interpolate``'s CPU backward is a slow scatter, and a dense resize
+    matrix spends a GEMM on weights that are almost all zero)."""
     if tuple(src) == tuple(dst):
         return tokens
     B, _, C = tokens.shape
-    rh = linear_resize_matrix(src[0], dst[0], tokens.device, tokens.dtype)
-    rw = linear_resize_matrix(src[1], dst[1], tokens.device, tokens.dtype)
-    grid = tokens.reshape(B * src[0], src[1], C)
-    grid = torch.matmul(rw, grid)                                  # (B*h, W, C)
-    grid = torch.matmul(rh, grid.reshape(B, src[0], dst[1] * C))   # (B, H, W*C)
+    grid = tokens.reshape(B, src[0], src[1], C)
+    for dim, size in ((2, dst[1]), (1, dst[0])):  # columns, then rows
+        if grid.shape[dim] != size:
+            lo, hi, frac = linear_resize_taps(grid.shape[dim], size, grid.device)
+            shape = [1, 1, 1, 1]
+            shape[dim] = size
+            grid = torch.lerp(grid.index_select(dim, lo), grid.index_select(dim, hi),
+                              frac.to(grid.dtype).view(shape))
     return grid.reshape(B, dst[0] * dst[1], C)
 
 
@@ -248,16 +256,23 @@ class FocusedLinearAttention(nn.Module):
         return q, k, v, grid
 
     def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:
-        """DWC(V) on the query grid, (B, N, C). One d-channel kernel per head."""
+        """DWC(V) on the query grid, (B, N, C). One d-channel kernel per head.
+
+        The conv runs on V's own memory as a channels-last map, and its
+        output is channels-last too, i.e. (B, N, C) tokens again: no copies.
+        The map is made with ``view`` + ``permute``; ``transpose(1, 2).reshape``
+        gives the same strides except a batch stride of C when B = 1, which
+        mkldnn does not take for channels-last and runs 2-5x slower on
+        (measured on these CPUs)."""
         B, n, C = v.shape
-        v_map = v.transpose(1, 2).reshape(B, C, grid[0], grid[1])
+        v_map = v.view(B, grid[0], grid[1], C).permute(0, 3, 1, 2)
         if tuple(grid) != tuple(hw_shape):
             v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear',
                                   align_corners=False)
         weight = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
         bias = self.dwc.bias.repeat(self.num_heads)
         out = DepthwiseConvFn.apply(v_map, weight, bias)
-        return out.flatten(2).transpose(1, 2)
+        return out.permute(0, 2, 3, 1).reshape(B, -1, C)
 
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
         """

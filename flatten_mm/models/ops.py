@@ -45,11 +45,19 @@ def block_diagonal(m: Tensor) -> Tensor:
 
 
 def heads_mm(x: Tensor, m: Tensor) -> Tensor:
-    """Per-head ``x_h @ m_h``: x (B, N, h*d), m (B, h, d, e) -> (B, N, h*e)."""
+    """Per-head ``x_h @ m_h``: x (B, N, h*d), m (B, h, d, e) -> (B, N, h*e).
+
+    Two heads run as one product with the block-diagonal matrix: twice the
+    multiply-adds, but no permute copies in and out of a per-head layout
+    (5.7 against 10.0 ms for 16700 tokens of 2x64 channels on 2 CPU cores;
+    with 5 heads the per-head products win, 3.1 against 5.7 ms).
+    """
     B, N, _ = x.shape
     h, d, e = m.shape[1:]
     if h == 1:
         return torch.bmm(x, m[:, 0])
+    if h == 2:
+        return torch.bmm(x, block_diagonal(m))
     return torch.einsum('bnhd,bhde->bnhe', x.view(B, N, h, d), m).reshape(B, N, h * e)
 
 
@@ -200,17 +208,15 @@ class DepthwiseConvFn(torch.autograd.Function):
     gradient as one grouped convolution of x by the output gradient (mkldnn's
     own depth-wise weight gradient is the slowest op of the layer on CPUs).
 
-    Layouts, measured on CPUs: the forward runs on a contiguous copy of x
-    (mkldnn's depth-wise kernel is faster on NCHW than on the channels-last
-    view that (B, n, C) tokens give) but saves x as given, which is V's own
-    storage; the input gradient runs on the output gradient as it comes.
+    x is taken in the layout it comes in (V's own channels-last memory from
+    the attention module: saved as given, no new bytes), and so is the output
+    gradient.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)  # as given: V's own storage, no new bytes
-        return F.conv2d(x.contiguous(), weight, bias, padding=weight.shape[-1] // 2,
-                        groups=x.shape[1])
+        ctx.save_for_backward(x, weight)
+        return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=x.shape[1])
 
     @staticmethod
     @once_differentiable
@@ -226,9 +232,10 @@ class DepthwiseConvFn(torch.autograd.Function):
             grad_x = F.conv2d(grad_out, weight.to(dtype).flip(2, 3), padding=pad, groups=C)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            xp = x.new_zeros(B, C, H + 2 * pad, W + 2 * pad, dtype=dtype)
-            xp[..., pad:pad + H, pad:pad + W] = x
-            grad_w = F.conv2d(xp.view(1, B * C, H + 2 * pad, W + 2 * pad),
+            # F.pad keeps x's channels-last layout (a plain copy); for one
+            # image the reshape is then a view
+            xp = F.pad(x.to(dtype), (pad, pad, pad, pad))
+            grad_w = F.conv2d(xp.reshape(1, B * C, H + 2 * pad, W + 2 * pad),
                               grad_out.reshape(B * C, 1, H, W), groups=B * C)
             grad_w = grad_w.view(B, C, 1, k, k).sum(0, dtype=weight.dtype)
         if ctx.needs_input_grad[2]:

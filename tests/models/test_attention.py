@@ -182,3 +182,19 @@ def test_positional_encoding_of_other_grid_is_resized_on_load():
     sd['positional_encoding'] = torch.ones(1, 64, 8)  # an 8x8 grid
     m.load_state_dict(sd)
     torch.testing.assert_close(m.positional_encoding, torch.ones(1, 16, 8))
+
+
+@pytest.mark.parametrize('src,dst', [((2, 3), (4, 6)), ((7, 5), (3, 9)), ((5, 5), (5, 8)),
+                                     ((1, 4), (3, 2)), ((6, 4), (6, 4))])
+def test_resize_tokens_equals_bilinear_interpolate(src, dst):
+    from flatten_mm.models.attention import resize_tokens
+    tokens = torch.randn(2, src[0] * src[1], 3, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, dst[0] * dst[1], 3, dtype=torch.float64)
+    got = resize_tokens(tokens, src, dst)
+    grid = tokens.transpose(1, 2).reshape(2, 3, *src)
+    want = F.interpolate(grid, size=dst, mode='bilinear', align_corners=False)
+    want = want.flatten(2).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    g_got, = torch.autograd.grad(got, tokens, grad)
+    g_want, = torch.autograd.grad(want, tokens, grad)
+    torch.testing.assert_close(g_got, g_want)
