@@ -33,15 +33,16 @@ VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d')
 
 
 def torch_dwc(module, v, grid, hw_shape):
-    """The DWC through F.conv2d (autograd's own backward) on a contiguous map."""
+    """The DWC through F.conv2d (autograd's own backward) on the same
+    channels-last view of V as the module's."""
     B, n, C = v.shape
-    v_map = v.transpose(1, 2).reshape(B, C, *grid)
+    v_map = v.view(B, *grid, C).permute(0, 3, 1, 2)
     if tuple(grid) != tuple(hw_shape):
         v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
     weight = module.dwc.weight.repeat(module.num_heads, 1, 1, 1)
     bias = module.dwc.bias.repeat(module.num_heads)
-    out = F.conv2d(v_map.contiguous(), weight, bias, padding=module.kernel_size // 2, groups=C)
-    return out.flatten(2).transpose(1, 2)
+    out = F.conv2d(v_map, weight, bias, padding=module.kernel_size // 2, groups=C)
+    return out.permute(0, 2, 3, 1).reshape(B, -1, C)
 
 
 def autograd_forward(module, x, hw_shape):
