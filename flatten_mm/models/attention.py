@@ -125,6 +125,26 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     return grid.reshape(B, dst[0] * dst[1], C)
 
 
+def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
+    """(B, N, C) tokens -> a (B, C, H, W) map; for contiguous tokens a
+    channels-last view of their memory.
+
+    Made by ``reshape`` + ``permute``: ``transpose(1, 2).reshape`` gives the
+    same strides except a batch stride of C when B = 1, which mkldnn does not
+    take for channels-last. Its convolutions then fall back to a path 2-5x
+    slower (on 2 CPU cores, forward + backward: PVT's 8x8 stride-8 reduction
+    of 200x334x64 tokens 125 -> 48 ms, PVTv2's 3x3 depth-wise conv on
+    100x167x512 257 -> 85 ms, the attention's DWC 17 -> 3.5 ms forward)."""
+    B, _, C = x.shape
+    return x.reshape(B, hw_shape[0], hw_shape[1], C).permute(0, 3, 1, 2)
+
+
+def map_to_tokens(x: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, H*W, C) tokens: a view of a channels-last map
+    (what convolutions on :func:`tokens_to_map` return), else a copy."""
+    return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1, x.shape[1])
+
+
 def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNorm
                    ) -> Tuple[Tensor, HWShape]:
     """PVT's key/value reduction: strided conv + LayerNorm on a (B, N, C) map.
@@ -136,13 +156,13 @@ def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNo
     """
     B, N, C = x.shape
     ratio = sr.stride[0]
-    x = x.transpose(1, 2).reshape(B, C, hw_shape[0], hw_shape[1])
+    x = tokens_to_map(x, hw_shape)
     pad_h, pad_w = -hw_shape[0] % ratio, -hw_shape[1] % ratio
     if pad_h or pad_w:
         x = F.pad(x, (0, pad_w, 0, pad_h), mode='replicate')
     x = sr(x)
     grid = (x.shape[2], x.shape[3])
-    return norm(x.flatten(2).transpose(1, 2)), grid
+    return norm(map_to_tokens(x)), grid
 
 
 def add_projections(module: nn.Module, embed_dims: int, qkv_bias: bool,
@@ -259,20 +279,14 @@ class FocusedLinearAttention(nn.Module):
         """DWC(V) on the query grid, (B, N, C). One d-channel kernel per head.
 
         The conv runs on V's own memory as a channels-last map, and its
-        output is channels-last too, i.e. (B, N, C) tokens again: no copies.
-        The map is made with ``view`` + ``permute``; ``transpose(1, 2).reshape``
-        gives the same strides except a batch stride of C when B = 1, which
-        mkldnn does not take for channels-last and runs 2-5x slower on
-        (measured on these CPUs)."""
-        B, n, C = v.shape
-        v_map = v.view(B, grid[0], grid[1], C).permute(0, 3, 1, 2)
+        output is channels-last too, i.e. (B, N, C) tokens again: no copies."""
+        v_map = tokens_to_map(v, grid)
         if tuple(grid) != tuple(hw_shape):
             v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear',
                                   align_corners=False)
         weight = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
         bias = self.dwc.bias.repeat(self.num_heads)
-        out = DepthwiseConvFn.apply(v_map, weight, bias)
-        return out.permute(0, 2, 3, 1).reshape(B, -1, C)
+        return map_to_tokens(DepthwiseConvFn.apply(v_map, weight, bias))
 
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
         """

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import HWShape, add_projections, check_positive_int, spatial_reduce
+from .attention import (HWShape, add_projections, check_positive_int, map_to_tokens,
+                        spatial_reduce, tokens_to_map)
 
 ATTN_TYPES = ('L', 'S')
 
@@ -35,11 +36,6 @@ def check_stage_list(name: str, values, num_stages: int, positive_ints: bool = F
 def drop_path_rates(rate: float, num_blocks: int) -> list:
     """Stochastic depth rising linearly from 0 to ``rate`` over the blocks."""
     return [rate * i / max(num_blocks - 1, 1) for i in range(num_blocks)]
-
-
-def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
-    """(B, N, C) -> (B, C, H, W), a view (its strides are channels-last)."""
-    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], hw_shape[0], hw_shape[1])
 
 
 def stage_output(x: Tensor, hw_shape: HWShape) -> Tensor:
@@ -99,7 +95,7 @@ class DWConv(nn.Module):
         self.dwconv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
-        return self.dwconv(tokens_to_map(x, hw_shape)).flatten(2).transpose(1, 2)
+        return map_to_tokens(self.dwconv(tokens_to_map(x, hw_shape)))
 
 
 class SpatialReductionAttention(nn.Module):

@@ -37,8 +37,10 @@ EPS = 1e-6
 
 
 def block_diagonal(m: Tensor) -> Tensor:
-    """(B, h, d, e) blocks -> (B, h*d, h*e) block-diagonal matrices."""
+    """(B, h, d, e) blocks -> (B, h*d, h*e) block-diagonal matrices (a view for one head)."""
     B, h, d, e = m.shape
+    if h == 1:
+        return m[:, 0]
     full = m.new_zeros(B, h, d, h, e)
     full.diagonal(dim1=1, dim2=3).copy_(m.permute(0, 2, 3, 1))
     return full.view(B, h * d, h * e)
@@ -54,9 +56,7 @@ def heads_mm(x: Tensor, m: Tensor) -> Tensor:
     """
     B, N, _ = x.shape
     h, d, e = m.shape[1:]
-    if h == 1:
-        return torch.bmm(x, m[:, 0])
-    if h == 2:
+    if h <= 2:
         return torch.bmm(x, block_diagonal(m))
     return torch.einsum('bnhd,bhde->bnhe', x.view(B, N, h, d), m).reshape(B, N, h * e)
 
@@ -74,10 +74,7 @@ def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
     """Per-head dot products of the rows of x (B, N, h*d) with vec (B, 1, h*d) -> (B, N, h),
     as one matmul with a (h*d, h) matrix holding head i's part of vec in column i."""
     B, _, C = vec.shape
-    if num_heads == 1:
-        return torch.bmm(x, vec.transpose(1, 2))
-    cols = block_diagonal(vec.view(B, num_heads, C // num_heads, 1))
-    return torch.bmm(x, cols)
+    return torch.bmm(x, block_diagonal(vec.view(B, num_heads, C // num_heads, 1)))
 
 
 def heads_weighted_sum(weights: Tensor, x: Tensor) -> Tensor:

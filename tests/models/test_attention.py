@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from flatten_mm import FocusedLinearAttention
-from flatten_mm.models.attention import EPS, reference_forward
+from flatten_mm.models.attention import EPS, reference_forward, resize_tokens
 
 
 def make_module(C=32, heads=1, sr=1, grid=(6, 7), **kw):
@@ -187,7 +187,6 @@ def test_positional_encoding_of_other_grid_is_resized_on_load():
 @pytest.mark.parametrize('src,dst', [((2, 3), (4, 6)), ((7, 5), (3, 9)), ((5, 5), (5, 8)),
                                      ((1, 4), (3, 2)), ((6, 4), (6, 4))])
 def test_resize_tokens_equals_bilinear_interpolate(src, dst):
-    from flatten_mm.models.attention import resize_tokens
     tokens = torch.randn(2, src[0] * src[1], 3, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(2, dst[0] * dst[1], 3, dtype=torch.float64)
     got = resize_tokens(tokens, src, dst)

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
 from flatten_mm.models.attention import (FocusedLinearAttention, focusing_map,  # noqa: E402
-                                         linear_attention, reference_forward)
+                                         linear_attention, map_to_tokens, reference_forward,
+                                         tokens_to_map)
 
 VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d')
 
@@ -35,14 +36,14 @@ VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d')
 def torch_dwc(module, v, grid, hw_shape):
     """The DWC through F.conv2d (autograd's own backward) on the same
     channels-last view of V as the module's."""
-    B, n, C = v.shape
-    v_map = v.view(B, *grid, C).permute(0, 3, 1, 2)
+    C = v.shape[2]
+    v_map = tokens_to_map(v, grid)
     if tuple(grid) != tuple(hw_shape):
         v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
     weight = module.dwc.weight.repeat(module.num_heads, 1, 1, 1)
     bias = module.dwc.bias.repeat(module.num_heads)
-    out = F.conv2d(v_map, weight, bias, padding=module.kernel_size // 2, groups=C)
-    return out.permute(0, 2, 3, 1).reshape(B, -1, C)
+    return map_to_tokens(F.conv2d(v_map, weight, bias, padding=module.kernel_size // 2,
+                                  groups=C))
 
 
 def autograd_forward(module, x, hw_shape):
