@@ -3,7 +3,8 @@
 # a FLatten-PVT-T backbone on it, evaluate both with the real metrics, draw the
 # predictions, and print the two result lines.
 # Usage: tools/demo.sh [WORK_DIR]
-#   MAX_ITERS_DET / MAX_ITERS_SEG shorten the schedules.
+#   MAX_ITERS_DET / MAX_ITERS_SEG shorten the schedules; DEMO_DATA points the
+#   configs at other data made by tools/make_demo_data.py (default data/shapes).
 #   The two runs train side by side, each on half of the cores (DEMO_THREADS
 #   overrides the threads per run): at these image sizes one run does not keep
 #   two cores busy, so two one-thread runs finish sooner than one after the other.
@@ -11,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:-work_dirs/demo}
 PY=${PY:-.venv/bin/python}
-DATA=data/shapes
+DATA=${DEMO_DATA:-data/shapes}
 DET=configs/demo/mask-rcnn_flatten-pvt-t_fpn_shapes.py
 SEG=configs/demo/fpn_flatten-pvt-t_shapes.py
 CORES=$(nproc)
@@ -24,18 +25,28 @@ if [ ! -f "$DATA/annotations/instances_val.json" ]; then
 fi
 
 run() {  # run CONFIG NAME ITERS: train, then evaluate with pictures
-  local cfg=$1 name=$2 iters=$3
+  local cfg=$1 name=$2 iters=$3 root=$DATA/ split
   local opts=(train_cfg.val_interval=1000000)
   [ -n "$iters" ] && opts+=(train_cfg.max_iters="$iters")
+  if [ "$name" = det ]; then
+    opts+=({val,test}_evaluator.ann_file="$DATA/annotations/instances_val.json")
+  else
+    root=$DATA/ade/
+  fi
+  for split in train val test; do opts+=("${split}_dataloader.dataset.data_root=$root"); done
   export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
   $PY tools/train.py "$cfg" --work-dir "$WORK/$name" --cfg-options "${opts[@]}" \
     > "$WORK/$name.train.log" 2>&1 || return 1
   local ckpt
   ckpt=$(cat "$WORK/$name/last_checkpoint")
   $PY tools/test.py "$cfg" "$ckpt" --work-dir "$WORK/$name" --show-dir pictures \
-    --metrics-out "$WORK/$name.metrics.json" > "$WORK/$name.test.log" 2>&1 || return 2
-  echo "[demo] $name done after $((SECONDS - start)) s;" \
-    "$(grep -o 'Iter(train) \[ *[0-9]*/[0-9]*\]' "$WORK/$name.train.log" | tail -n 1)"
+    --metrics-out "$WORK/$name.metrics.json" --cfg-options "${opts[@]}" > "$WORK/$name.test.log" 2>&1 || return 2
+  local median  # of the step times the train log reports (every 20 iterations)
+  median=$(grep 'Iter(train)' "$WORK/$name.train.log" | grep -o ' time: [0-9.]*' | awk '{print $2}' |
+    sort -n | awk '{t[NR] = $1} END {if (NR) printf "%.2f s", t[int((NR + 1) / 2)]; else printf "n/a"}') || true
+  ckpt=$(basename "$ckpt" .pth)
+  echo "[demo] $name done after $((SECONDS - start)) s: ${ckpt#iter_} iterations," \
+    "median $median per iteration"
 }
 
 echo "[demo] training det ($DET) and seg ($SEG) side by side, $THREADS thread(s) each;" \

@@ -1,0 +1,24 @@
+"""`make demo`'s script (tools/demo.sh) on tiny data with two iterations per
+run: both runs train side by side, are evaluated, draw their predictions, and
+the script ends with the two result lines."""
+import os
+import os.path as osp
+import re
+import sys
+
+from demo_runs import ROOT, run
+
+
+def test_demo_script_prints_both_result_lines(shapes, tmp_path):
+    work = str(tmp_path / 'demo')
+    env = dict(DEMO_DATA=shapes, MAX_ITERS_DET='2', MAX_ITERS_SEG='2', PY=sys.executable)
+    out = run('bash', osp.join(ROOT, 'tools/demo.sh'), work, cwd=ROOT, env=env, python=False)
+    lines = out.strip().splitlines()
+    assert re.fullmatch(r'demo detection bbox_mAP=\d\.\d{3} segm_mAP=\d\.\d{3}', lines[-2]), out
+    assert re.fullmatch(r'demo segmentation mIoU=\d+\.\d{2}', lines[-1]), out
+    assert re.search(r'\[demo\] det done after \d+ s: 2 iterations, median (n/a|\d+\.\d\d s) per', out), out
+    assert re.search(r'\[demo\] seg done after \d+ s: 2 iterations, median (n/a|\d+\.\d\d s) per', out), out
+    for name in ('det', 'seg'):
+        pics = [f for d, _, fs in os.walk(osp.join(work, name)) if 'pictures' in d
+                for f in fs if f.endswith(('.jpg', '.png'))]
+        assert len(pics) == 6, (name, pics)
