@@ -24,49 +24,37 @@ if [ ! -f "$DATA/annotations/instances_val.json" ]; then
   $PY tools/make_demo_data.py "$DATA"
 fi
 
-run() {  # run CONFIG NAME ITERS: train, then evaluate with pictures
-  local cfg=$1 name=$2 iters=$3 root=$DATA/ split
-  local opts=(train_cfg.val_interval=1000000)
+run() {  # run CONFIG NAME ITERS [CFG_OPTION...]: train, then evaluate with pictures
+  local cfg=$1 name=$2 iters=$3 log
+  shift 3
+  local opts=("$@" train_cfg.val_interval=1000000)
   [ -n "$iters" ] && opts+=(train_cfg.max_iters="$iters")
-  if [ "$name" = det ]; then
-    opts+=({val,test}_evaluator.ann_file="$DATA/annotations/instances_val.json")
-  else
-    root=$DATA/ade/
-  fi
-  for split in train val test; do opts+=("${split}_dataloader.dataset.data_root=$root"); done
   export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
-  $PY tools/train.py "$cfg" --work-dir "$WORK/$name" --cfg-options "${opts[@]}" \
-    > "$WORK/$name.train.log" 2>&1 || return 1
-  local ckpt
-  ckpt=$(cat "$WORK/$name/last_checkpoint")
-  $PY tools/test.py "$cfg" "$ckpt" --work-dir "$WORK/$name" --show-dir pictures \
-    --metrics-out "$WORK/$name.metrics.json" --cfg-options "${opts[@]}" > "$WORK/$name.test.log" 2>&1 || return 2
-  local median  # of the step times the train log reports (every 20 iterations)
-  median=$(grep 'Iter(train)' "$WORK/$name.train.log" | grep -o ' time: [0-9.]*' | awk '{print $2}' |
-    sort -n | awk '{t[NR] = $1} END {if (NR) printf "%.2f s", t[int((NR + 1) / 2)]; else printf "n/a"}') || true
-  ckpt=$(basename "$ckpt" .pth)
-  echo "[demo] $name done after $((SECONDS - start)) s: ${ckpt#iter_} iterations," \
+  log=$WORK/$name.train.log
+  $PY tools/train.py "$cfg" --work-dir "$WORK/$name" --cfg-options "${opts[@]}" > "$log" 2>&1 &&
+    log=$WORK/$name.test.log &&
+    $PY tools/test.py "$cfg" "$(cat "$WORK/$name/last_checkpoint")" --work-dir "$WORK/$name" \
+      --show-dir pictures --metrics-out "$WORK/$name.metrics.json" --cfg-options "${opts[@]}" \
+      > "$log" 2>&1 ||
+    { echo "[demo] $name failed; the end of $log:"; tail -n 30 "$log"; return 1; }
+  local done_iters median  # median of the step times the train log reports
+  done_iters=$(basename "$(cat "$WORK/$name/last_checkpoint")" .pth)
+  median=$(sed -n 's/.*Iter(train).* time: \([0-9.]*\).*/\1/p' "$WORK/$name.train.log" | sort -n |
+    awk '{t[NR] = $1} END {if (NR) printf "%.2f s", t[int((NR + 1) / 2)]; else printf "n/a"}')
+  echo "[demo] $name done after $((SECONDS - start)) s: ${done_iters#iter_} iterations," \
     "median $median per iteration"
 }
 
 echo "[demo] training det ($DET) and seg ($SEG) side by side, $THREADS thread(s) each;" \
   "logs in $WORK/{det,seg}.{train,test}.log, pictures under $WORK/{det,seg}/"
 trap 'kill $(jobs -p) 2>/dev/null; exit 130' INT TERM
-run "$DET" det "${MAX_ITERS_DET:-}" & det_pid=$!
-run "$SEG" seg "${MAX_ITERS_SEG:-}" & seg_pid=$!
+run "$DET" det "${MAX_ITERS_DET:-}" {train,val,test}_dataloader.dataset.data_root="$DATA/" \
+  {val,test}_evaluator.ann_file="$DATA/annotations/instances_val.json" & det_pid=$!
+run "$SEG" seg "${MAX_ITERS_SEG:-}" {train,val,test}_dataloader.dataset.data_root="$DATA/ade/" &
+seg_pid=$!
 failed=0
-for name in det seg; do
-  pid_var=${name}_pid
-  rc=0
-  wait "${!pid_var}" || rc=$?
-  if [ "$rc" != 0 ]; then
-    failed=1
-    log=$WORK/$name.train.log
-    [ "$rc" = 2 ] && log=$WORK/$name.test.log
-    echo "[demo] $name failed; the end of $log:"
-    tail -n 30 "$log"
-  fi
-done
+wait $det_pid || failed=1
+wait $seg_pid || failed=1
 [ "$failed" = 0 ] || exit 1
 echo "[demo] done in $((SECONDS - start)) s"
 $PY - "$WORK" <<'PY'

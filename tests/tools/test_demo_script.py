@@ -16,9 +16,9 @@ def test_demo_script_prints_both_result_lines(shapes, tmp_path):
     lines = out.strip().splitlines()
     assert re.fullmatch(r'demo detection bbox_mAP=\d\.\d{3} segm_mAP=\d\.\d{3}', lines[-2]), out
     assert re.fullmatch(r'demo segmentation mIoU=\d+\.\d{2}', lines[-1]), out
-    assert re.search(r'\[demo\] det done after \d+ s: 2 iterations, median (n/a|\d+\.\d\d s) per', out), out
-    assert re.search(r'\[demo\] seg done after \d+ s: 2 iterations, median (n/a|\d+\.\d\d s) per', out), out
     for name in ('det', 'seg'):
+        assert re.search(rf'\[demo\] {name} done after \d+ s: 2 iterations, '
+                         r'median (n/a|\d+\.\d\d s) per iteration', out), out
         pics = [f for d, _, fs in os.walk(osp.join(work, name)) if 'pictures' in d
                 for f in fs if f.endswith(('.jpg', '.png'))]
         assert len(pics) == 6, (name, pics)
