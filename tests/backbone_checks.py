@@ -58,3 +58,29 @@ def assert_autocast_finite(model, dtype, x):
         assert torch.isfinite(grad).all(), name
         err = ((grad.float() - r).norm() / r.norm()).item()
         assert err < grad_tol, f'{name}: gradient off by {err:.3f} relative'
+
+
+# odd and tiny inputs, down to stages that hold a single token
+TRAIN_SIZES = [(1, 1), (2, 3), (5, 7), (8, 8), (17, 9), (32, 32), (33, 65)]
+
+
+def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2)):
+    """Training mode with gradients: for every input size the stage maps are
+    ceil(H / s) x ceil(W / s) and finite, and every parameter gets a finite
+    gradient (drop path off, so every branch runs)."""
+    model.train()
+    for m in model.modules():
+        if hasattr(m, 'drop_prob'):
+            m.drop_prob = 0.0
+    for (h, w) in sizes:
+        for b in batch_sizes:
+            model.zero_grad()
+            x = torch.randn(b, 3, h, w, requires_grad=True)
+            outs = model(x)
+            for o, s in zip(outs, (4, 8, 16, 32)):
+                assert tuple(o.shape) == (b, o.shape[1], -(-h // s), -(-w // s)), (h, w, b)
+                assert torch.isfinite(o).all(), (h, w, b)
+            sum((o * torch.randn_like(o)).sum() for o in outs).backward()
+            assert torch.isfinite(x.grad).all(), (h, w, b)
+            for name, p in model.named_parameters():
+                assert p.grad is not None and torch.isfinite(p.grad).all(), (name, h, w, b)

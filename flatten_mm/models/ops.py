@@ -156,8 +156,11 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         del uk, parts_k
         _, rq, uq, tq = focus(q, s_inv, p, keep_a=False)
         w, _ = FocusedLinearAttentionFn._query_weights(uq, rq / tq, km, h)
-        out = heads_mm(uq, kv)
-        out.view(B, N, h, -1).mul_(w.unsqueeze(-1))
+        # the weighting writes into a fresh buffer: heads_mm may return a view
+        # (an einsum's permuted result, a view whenever N = 1), and autograd
+        # forbids in-place changes of an output that is a view
+        out = q.new_empty(B, N, C)
+        torch.mul(heads_mm(uq, kv).view(B, N, h, -1), w.unsqueeze(-1), out=out.view(B, N, h, -1))
         ctx.save_for_backward(q, k, v, s_inv, kv, km, key_mask)
         ctx.focusing_factor, ctx.num_heads = p, h
         return out

@@ -25,7 +25,10 @@ def grads(fn, tensors):
 
 
 @pytest.mark.parametrize('heads,sr,hw', [(1, 1, (6, 7)), (3, 1, (5, 9)), (2, 2, (7, 9)),
-                                         (4, 3, (10, 8))])
+                                         (4, 3, (10, 8)),
+                                         # one token: the output must not be a view
+                                         (1, 1, (1, 1)), (2, 1, (1, 1)), (3, 1, (1, 1)),
+                                         (3, 2, (1, 1))])
 def test_module_gradients_match_reference(heads, sr, hw):
     m = random_module(24, heads, sr)
     x = torch.randn(2, hw[0] * hw[1], 24, dtype=torch.float64, requires_grad=True)

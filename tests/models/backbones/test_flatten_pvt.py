@@ -3,7 +3,8 @@ import torch
 
 from flatten_mm import FLattenPVT, FLattenPVTv2
 
-from backbone_checks import assert_autocast_finite, assert_cp_gives_same_gradients
+from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
+                             assert_trains_at_every_size)
 
 
 def small_pvt(cls=FLattenPVT, **kw):
@@ -29,6 +30,12 @@ def test_any_input_size(cls, attn_type, hw):
         assert torch.isfinite(o).all()
         # plain NCHW memory: compiled ops such as mmcv's CPU RoIAlign read it raw
         assert o.is_contiguous()
+
+
+@pytest.mark.parametrize('cls', [FLattenPVT, FLattenPVTv2])
+@pytest.mark.parametrize('attn_type', ['LLLL', 'SSLL'])
+def test_trains_at_every_size(cls, attn_type):
+    assert_trains_at_every_size(small_pvt(cls, attn_type=attn_type))
 
 
 def test_out_indices():

@@ -5,7 +5,8 @@ from flatten_mm import FLattenSwin
 from flatten_mm.models.backbones.flatten_swin import SwinBlock
 from flatten_mm.models.layers import window_merge, window_partition
 
-from backbone_checks import assert_autocast_finite, assert_cp_gives_same_gradients
+from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
+                             assert_trains_at_every_size)
 
 
 def small_swin(**kw):
@@ -30,6 +31,11 @@ def test_any_input_size(kw, hw):
         assert torch.isfinite(o).all()
         # plain NCHW memory: compiled ops such as mmcv's CPU RoIAlign read it raw
         assert o.is_contiguous()
+
+
+@pytest.mark.parametrize('kw', [{}, dict(attn_type='LLLL', linear_window=5)])
+def test_trains_at_every_size(kw):
+    assert_trains_at_every_size(small_swin(**kw))
 
 
 def test_partition_round_trip():
