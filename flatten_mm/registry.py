@@ -43,8 +43,8 @@ def register_openmmlab() -> List[str]:
 def _create_timm_model(variant: str, pretrained: bool = False, **kwargs):
     from timm.models import build_model_with_cfg
 
-    from .models.classifiers import (FLattenFeatures, FLattenPVTClassifier,
-                                     FLattenPVTv2Classifier, FLattenSwinClassifier)
+    from .models.classifiers import (FLattenPVTClassifier, FLattenPVTv2Classifier,
+                                     FLattenSwinClassifier)
     kind, arch, extra = TIMM_MODELS[variant]
     cls = {'pvt': FLattenPVTClassifier, 'pvtv2': FLattenPVTv2Classifier,
            'swin': FLattenSwinClassifier}[kind]
@@ -52,16 +52,21 @@ def _create_timm_model(variant: str, pretrained: bool = False, **kwargs):
     return build_model_with_cfg(
         cls, variant, pretrained, arch=arch,
         pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls=FLattenFeatures, out_indices=(0, 1, 2, 3)),
+        # features_only: timm's getter over forward_intermediates, after
+        # prune_intermediate_layers has dropped what the features do not use
+        feature_cfg=dict(feature_cls='getter', out_indices=(0, 1, 2, 3)),
         **kwargs)
 
 
 def checkpoint_filter_fn(state_dict: dict, model) -> dict:
     """timm's filter for official weights: take ``state_dict['model']`` if
-    nested, drop the head when the class count differs. Official names are
-    ours, and the fused Swin ``qkv`` is split when the model loads it."""
+    nested, drop what the model leaves out of the release (FLatten-PVT's
+    unused final norm) and the head when the class count differs. Official
+    names are ours, and the fused Swin ``qkv`` is split when the model loads it."""
     from .checkpoint import extract_state_dict
     sd = extract_state_dict(state_dict)
+    for key in getattr(model, 'unused_official', ()):
+        sd.pop(key, None)
     head = sd.get('head.weight')
     if head is not None and head.shape[0] != getattr(model, 'num_classes', head.shape[0]):
         sd = {k: v for k, v in sd.items() if not k.startswith('head.')}
@@ -79,7 +84,8 @@ def register_timm() -> bool:
     for name in TIMM_MODELS:
         size = 384 if name.endswith('_384') else 224
         cfgs[f'{name}.in1k' if name in RELEASED else name] = dict(
-            url='', num_classes=1000, input_size=(3, size, size), pool_size=None,
+            url='', num_classes=1000, input_size=(3, size, size),
+            pool_size=(size // 32, size // 32), fixed_input_size=False,
             crop_pct=1.0 if size == 384 else 0.9, interpolation='bicubic',
             mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
             first_conv='patch_embed1.proj' if 'pvt' in name else 'patch_embed.proj',

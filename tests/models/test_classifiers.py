@@ -25,11 +25,18 @@ OFFICIAL_PARAMS = {
 }
 
 
+# the release's FLatten-PVT (v1) defines a final LayerNorm of 512 channels that
+# its forward never applies; ours leaves it out
+UNUSED_OFFICIAL = {'flatten_pvt_tiny': 1024, 'flatten_pvt_small': 1024,
+                   'flatten_pvt_medium': 1024, 'flatten_pvt_large': 1024}
+
+
 @pytest.mark.parametrize('name', sorted(OFFICIAL_PARAMS))
 def test_parameter_counts_equal_the_release(name):
     with torch.device('meta'):
         model = timm.create_model(name)
-    assert sum(p.numel() for p in model.parameters()) == OFFICIAL_PARAMS[name]
+    used = OFFICIAL_PARAMS[name] - UNUSED_OFFICIAL.get(name, 0)
+    assert sum(p.numel() for p in model.parameters()) == used
 
 
 def test_all_names_registered():
@@ -95,6 +102,7 @@ def test_official_file_loads_and_gives_release_logits(tmp_path, name):
                               pretrained_cfg_overlay=dict(file=path)).eval()
     for key, value in source.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value)
+    assert model.state_dict().keys() == source.state_dict().keys()
     reference = use_release_op_order(randomize(timm.create_model(name))).eval()
     reference.load_state_dict(official_state_dict(source))
     x = torch.randn(2, 3, 224, 224)
@@ -152,13 +160,13 @@ def test_dense_backbone_and_classifier_agree(tmp_path, name, dense_cls, kwargs):
     with torch.no_grad():
         maps = dense(x)
         feats = features(x)
-        tokens = classifier.forward_features(x)
+        final = classifier.forward_features(x)
     assert [tuple(m.shape[1:]) for m in maps] == [tuple(f.shape[1:]) for f in feats]
     for i, (m, f) in enumerate(zip(maps, feats)):
         if hasattr(dense, f'norm{i}') and dense_cls is FLattenSwin:
             f = getattr(dense, f'norm{i}')(f.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(f.shape)
         torch.testing.assert_close(m, f, rtol=1e-5, atol=1e-5)
-    last = feats[-1].flatten(2).transpose(1, 2)
-    if dense_cls is FLattenSwin:
-        last = classifier.norm(last)
-    torch.testing.assert_close(tokens, last, rtol=1e-5, atol=1e-5)
+    last = feats[-1]
+    if dense_cls is FLattenSwin:  # NHWC features after the final norm
+        last = classifier.norm(last.permute(0, 2, 3, 1))
+    torch.testing.assert_close(final, last, rtol=1e-5, atol=1e-5)
