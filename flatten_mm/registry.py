@@ -91,6 +91,7 @@ def register_timm() -> bool:
             first_conv='patch_embed1.proj' if 'pvt' in name else 'patch_embed.proj',
             classifier='head', license='mit')
     globals()['default_cfgs'] = generate_default_cfgs(cfgs)  # read by register_model
+    register_fx_leaves()
     for name in TIMM_MODELS:
         if name in _model_entrypoints:
             continue
@@ -101,3 +102,22 @@ def register_timm() -> bool:
         globals()[name] = fn
         register_model(fn)
     return True
+
+
+def register_fx_leaves() -> None:
+    """Tell timm's torch.fx tracer (``create_feature_extractor``,
+    ``features_only=True, feature_cls='fx'``) which parts to keep whole: those
+    whose control flow depends on the input size (padding to a multiple of a
+    stride, window partitions, positional-encoding resizes, the attention
+    core's hand-written autograd). Everything between them is traced."""
+    from timm.layers import register_notrace_function, register_notrace_module
+
+    from .models.attention import FocusedLinearAttention, resize_tokens
+    from .models.backbones.flatten_pvt import PatchEmbed
+    from .models.backbones.flatten_swin import PatchMerging, SwinBlock
+    from .models.layers import SpatialReductionAttention, check_images
+    for module in (PatchEmbed, FocusedLinearAttention, SpatialReductionAttention,
+                   SwinBlock, PatchMerging):
+        register_notrace_module(module)
+    for function in (resize_tokens, check_images):
+        register_notrace_function(function)

@@ -8,7 +8,7 @@ Notation: x is (B, N, C) on an H x W grid, h heads of d = C / h channels,
 n keys (n = N, or fewer with spatial reduction).
 """
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -90,19 +90,25 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     return out.reshape(B, N, C)
 
 
-@functools.lru_cache(maxsize=64)
-def linear_resize_taps(src: int, dst: int, device: torch.device
-                       ) -> Tuple[Tensor, Tensor, Tensor]:
+@functools.lru_cache(maxsize=256)
+def linear_resize_taps(src: int, dst: int) -> Tuple[List[int], List[int], List[float]]:
     """1-D linear resizing from ``src`` to ``dst`` samples as two taps per
-    output: ``out[i] = lerp(x[lo[i]], x[hi[i]], frac[i])``. Read off
-    ``F.interpolate(..., mode='linear', align_corners=False)`` applied to the
-    identity, so the weights are torch's own; cached per device."""
-    eye = torch.eye(src, dtype=torch.float64).unsqueeze(0)
-    weights = F.interpolate(eye, size=dst, mode='linear', align_corners=False)[0].t()
-    lo = (weights > 0).to(torch.uint8).argmax(1)  # first source with weight
-    hi = (lo + 1).clamp_max(src - 1)
-    frac = torch.where(hi > lo, weights.gather(1, hi[:, None])[:, 0], 0.)
-    return lo.to(device), hi.to(device), frac.to(device)
+    output: ``out[i] = lerp(x[lo[i]], x[hi[i]], frac[i])``, with the source
+    positions of ``F.interpolate(..., mode='linear', align_corners=False)``
+    (pixel centres, clamped at the first sample).
+
+    Plain Python numbers, cached: tensors made once and cached would carry
+    the mode they were made in (an inference tensor breaks later training
+    steps; a fake tensor from torch.export's tracing ends up in the program).
+    """
+    lo, hi, frac = [], [], []
+    for i in range(dst):
+        pos = max((i + 0.5) * src / dst - 0.5, 0.0)
+        j = min(int(pos), src - 1)
+        lo.append(j)
+        hi.append(min(j + 1, src - 1))
+        frac.append(pos - j if j < src - 1 else 0.0)
+    return lo, hi, frac
 
 
 def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
@@ -117,11 +123,13 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     grid = tokens.reshape(B, src[0], src[1], C)
     for dim, size in ((2, dst[1]), (1, dst[0])):  # columns, then rows
         if grid.shape[dim] != size:
-            lo, hi, frac = linear_resize_taps(grid.shape[dim], size, grid.device)
+            lo, hi, frac = linear_resize_taps(grid.shape[dim], size)
             shape = [1, 1, 1, 1]
             shape[dim] = size
-            grid = torch.lerp(grid.index_select(dim, lo), grid.index_select(dim, hi),
-                              frac.to(grid.dtype).view(shape))
+            device = grid.device
+            grid = torch.lerp(grid.index_select(dim, torch.tensor(lo, device=device)),
+                              grid.index_select(dim, torch.tensor(hi, device=device)),
+                              torch.tensor(frac, dtype=grid.dtype, device=device).view(shape))
     return grid.reshape(B, dst[0] * dst[1], C)
 
 

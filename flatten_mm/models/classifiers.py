@@ -184,6 +184,10 @@ class FLattenPVTv2Classifier(FLattenPVTClassifier):
     def __init__(self, arch: str = 'b0', **kwargs):
         super().__init__(arch=arch, **kwargs)
 
+    @staticmethod
+    def stage_name(i: int) -> str:
+        return f'norm{i + 1}'  # the stage's output is after its norm
+
 
 class FLattenSwinClassifier(ClassifierMixin, FLattenSwin):
     """FLatten-Swin classifier: final LayerNorm, average pooling, head.

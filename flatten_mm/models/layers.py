@@ -33,6 +33,13 @@ def check_stage_list(name: str, values, num_stages: int, positive_ints: bool = F
     return values
 
 
+def check_images(x: Tensor) -> Tensor:
+    """``x`` if it is a batch of images (B, C, H, W), else a ValueError."""
+    if x.dim() != 4:
+        raise ValueError(f'expected images (B, C, H, W), got shape {tuple(x.shape)}')
+    return x
+
+
 def drop_path_rates(rate: float, num_blocks: int) -> list:
     """Stochastic depth rising linearly from 0 to ``rate`` over the blocks."""
     return [rate * i / max(num_blocks - 1, 1) for i in range(num_blocks)]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention, HWShape, resize_tokens, to_2tuple_checked
-from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type,
+from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type, check_images,
                       check_stage_list, drop_path_rates, stage_output)
 from .base import FLattenBackbone
 
@@ -193,8 +193,7 @@ class FLattenPyramid(FLattenBackbone):
             tuple[Tensor]: feature maps (B, C_i, ceil(H / s_i), ceil(W / s_i))
             at strides s_i = 4, 8, 16, 32 for the stages in ``out_indices``.
         """
-        if x.dim() != 4:
-            raise ValueError(f'expected images (B, C, H, W), got shape {tuple(x.shape)}')
+        x = check_images(x)
         outs = []
         for i in range(self.num_stages):
             tokens, hw_shape = self.forward_stage(i, x)

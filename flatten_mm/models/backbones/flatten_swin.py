@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention, HWShape, check_positive_int, to_2tuple_checked
-from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, check_attn_type,
+from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, check_attn_type, check_images,
                       check_stage_list, drop_path_rates, stage_output, window_merge,
                       window_partition)
 from .base import FLattenBackbone
@@ -243,8 +243,7 @@ class FLattenSwin(FLattenBackbone):
             tuple[Tensor]: LayerNorm-ed feature maps at strides 4, 8, 16, 32
             for the stages in ``out_indices``.
         """
-        if x.dim() != 4:
-            raise ValueError(f'expected images (B, C, H, W), got shape {tuple(x.shape)}')
+        x = check_images(x)
         outs = []
         for i, tokens, hw_shape in self.forward_stages(x):
             if i in self.out_indices:

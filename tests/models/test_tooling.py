@@ -1,0 +1,132 @@
+"""PyTorch's tooling on our models: torch.fx through timm's feature
+extractor, torch.compile (full graph, training), torch.export and ONNX."""
+import pytest
+import timm
+import torch
+from timm.layers import create_feature_extractor, get_notrace_functions, get_notrace_modules
+
+import flatten_mm  # noqa: F401  (registers the models and their fx leaves in timm)
+from flatten_mm import FLattenPVT, FLattenPVTv2, FLattenSwin
+
+# small classifiers of each family: one or two blocks per stage
+SMALL = {
+    'flatten_pvt_tiny': dict(depths=[1, 1, 1, 1]),
+    'flatten_pvt_v2_b0': dict(depths=[1, 1, 1, 1]),
+    'flatten_swin_tiny': dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
+}
+BACKBONES = {
+    'pvt': (FLattenPVT, dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4],
+                             depths=[1, 1, 1, 1], attn_type='LLSS')),
+    'pvtv2': (FLattenPVTv2, dict(arch='b0', depths=[1, 1, 1, 1])),
+    'swin': (FLattenSwin, dict(embed_dims=16, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2])),
+}
+
+
+def backbone(kind):
+    cls, kw = BACKBONES[kind]
+    return cls(**kw, drop_path_rate=0.)
+
+
+def projection_loss(outs, seed=0):
+    """A fixed random projection of the outputs (sums of squares of
+    LayerNorm-ed maps are constant, their gradients rounding noise)."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((o * torch.randn(o.shape, generator=g)).mean() for o in outs)
+
+
+def loss_and_grads(model, x):
+    model.zero_grad()
+    out = model(x)
+    outs = list(out.values()) if isinstance(out, dict) else out
+    outs = [outs] if isinstance(outs, torch.Tensor) else outs
+    loss = projection_loss(outs)
+    loss.backward()
+    return [o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_close(got, want, rtol):
+    assert got.keys() == want.keys()
+    for name, g in got.items():
+        err = ((g - want[name]).norm() / want[name].norm()).item()
+        assert err < rtol, f'{name}: {err:.2e}'
+
+
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_fx_feature_extractor_equals_eager_forward_and_backward(name):
+    """Traced as timm traces (its leaf modules and functions): the graph's
+    logits and every parameter's gradient equal eager mode."""
+    model = timm.create_model(name, **SMALL[name], num_classes=10, drop_path_rate=0.).train()
+    x = torch.randn(2, 3, 70, 90)
+    fx_model = create_feature_extractor(model, ['head'])
+    assert isinstance(fx_model, torch.fx.GraphModule)
+    want, want_grads = loss_and_grads(model, x)
+    got, got_grads = loss_and_grads(fx_model, x)
+    assert got[0].shape == (2, 10)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert_grads_close(got_grads, want_grads, 1e-5)
+
+
+def trace_as_timm(model):
+    """torch.fx with timm's leaf modules and functions (what its
+    create_feature_extractor uses), for models that return a tuple."""
+    leaves = tuple(get_notrace_modules())
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, leaves) or super().is_leaf_module(m, qualname)
+    tracer = Tracer(autowrap_functions=tuple(get_notrace_functions()))
+    return torch.fx.GraphModule(model, tracer.trace(model))
+
+
+@pytest.mark.parametrize('kind', sorted(BACKBONES))
+def test_fx_traces_dense_backbones(kind):
+    model = backbone(kind).train()
+    x = torch.randn(2, 3, 45, 77)
+    want, want_grads = loss_and_grads(model, x)
+    got, got_grads = loss_and_grads(trace_as_timm(model), x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got_grads, want_grads, 1e-5)
+
+
+@pytest.mark.parametrize('kind,backend', [('pvt', 'inductor'), ('swin', 'inductor'),
+                                          ('pvtv2', 'aot_eager')])
+def test_compiled_training_step_equals_eager(kind, backend):
+    """torch.compile(fullgraph=True) captures forward and backward without a
+    graph break; losses and gradients equal eager to 1e-4 relative."""
+    model = backbone(kind).train()
+    x = torch.randn(2, 3, 64, 96)
+    want, want_grads = loss_and_grads(model, x)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    got, got_grads = loss_and_grads(compiled, x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_grads_close(got_grads, want_grads, 1e-4)
+
+
+@pytest.mark.parametrize('kind', sorted(BACKBONES))
+def test_torch_export_equals_eager(kind):
+    model = backbone(kind).eval()
+    x = torch.randn(1, 3, 64, 96)
+    program = torch.export.export(model, (x,))
+    with torch.no_grad():
+        for a, b in zip(program.module()(x), model(x)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_onnx_export_runs_in_onnxruntime(tmp_path):
+    """FLatten-PVT-T's backbone through torch.onnx (dynamo exporter) and
+    onnxruntime's CPU provider, against eager."""
+    ort = pytest.importorskip('onnxruntime')
+    model = FLattenPVT(arch='tiny', drop_path_rate=0.).eval()
+    x = torch.randn(1, 3, 96, 128)
+    path = str(tmp_path / 'flatten_pvt_t.onnx')
+    torch.onnx.export(model, (x,), path, dynamo=True)
+    session = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        want = model(x)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-4, atol=1e-4)
