@@ -15,6 +15,14 @@ TIMM_VERSION=1.0.31
 NUMPY_VERSION=2.4.6
 PYCOCOTOOLS_VERSION=2.0.11
 OPENMIM_VERSION=0.3.9
+ONNX_VERSION=1.23.2  # ONNX export tests: onnx, onnxscript (torch's exporter), onnxruntime
+ONNXSCRIPT_VERSION=0.7.2
+ONNXRUNTIME_VERSION=1.32.0
+# torch 2.14 requires setuptools >= 77.0.3; mmcv's build needs pkg_resources and
+# `setup.py develop` must stay an egg-link install for mim (setuptools 80 turned it
+# into a PEP 660 one): 79.0.1 meets all three. With setuptools < 77 beside it pip
+# quietly swaps torch for 2.12.1.
+SETUPTOOLS_VERSION=79.0.1
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=$ROOT/.venv
@@ -33,7 +41,48 @@ CACHE=${FLATTEN_MM_CACHE:-$HOME/.cache/flatten_mm}
 
 log() { printf '[install] %s\n' "$*"; }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+# package -> pinned version; every pip call below is constrained by these, and the
+# installed versions are checked against them at the end and on every later run
+PINS=(torch=$TORCH_VERSION torchvision=$TORCHVISION_VERSION numpy=$NUMPY_VERSION
+      setuptools=$SETUPTOOLS_VERSION mmengine=$MMENGINE_VERSION mmcv=$MMCV_VERSION
+      mmdet=$MMDET_VERSION mmsegmentation=$MMSEG_VERSION timm=$TIMM_VERSION
+      pycocotools=$PYCOCOTOOLS_VERSION openmim=$OPENMIM_VERSION onnx=$ONNX_VERSION
+      onnxscript=$ONNXSCRIPT_VERSION onnxruntime=$ONNXRUNTIME_VERSION)
+
+# Prints "name installed-version" for every pin that does not hold; silent when all hold.
+check_pins() {
+  "$VENV/bin/python" - "${PINS[@]}" <<'PYEOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+for pin in sys.argv[1:]:
+    name, want = pin.split('=')
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        have = 'missing'
+    if have.split('+')[0] != want:  # a local tag (+cu130, +cpu) is the same release
+        print(name, have, want)
+PYEOF
+}
+
+# Logs each pin that does not hold; fails if any does not.
+report_pins() {
+  local bad
+  bad=$(check_pins)
+  [ -z "$bad" ] && return 0
+  while read -r name have want; do
+    log "ERROR: $name is $have, but $want is pinned"
+  done <<< "$bad"
+  log "something replaced a pinned package; start over with: make clean-venv && make install"
+  return 1
+}
+
+if [ "${1:-}" = --check ]; then  # only check the pins of an existing .venv
+  report_pins && log "every pinned package has its pinned version"
+  exit
+fi
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -z "$(check_pins 2>&1)" ]; then
   log ".venv is up to date ($VENV)"
   exit 0
 fi
@@ -43,20 +92,26 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 $PIP install -q --upgrade pip
+CONSTRAINTS=$VENV/constraints.txt
+printf '%s\n' "${PINS[@]/=/==}" > "$CONSTRAINTS"
+export PIP_CONSTRAINT=$CONSTRAINTS
 
 log "torch $TORCH_VERSION, torchvision $TORCHVISION_VERSION (CPU execution)"
-$PIP install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+$PIP install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" \
+  "setuptools==$SETUPTOOLS_VERSION"
 
 log "build tools and pure-Python dependencies"
-$PIP install -q "setuptools<70" wheel ninja "numpy==$NUMPY_VERSION" \
+$PIP install -q wheel ninja "numpy==$NUMPY_VERSION" \
   "mmengine==$MMENGINE_VERSION" "timm==$TIMM_VERSION" "pycocotools==$PYCOCOTOOLS_VERSION" \
   ftfy regex matplotlib opencv-python-headless pytest
 
 # mmcv 2.1.0 exists on PyPI only as source; its compiled ops (RoIAlign, NMS) are built here.
 # torch 2.14's headers need C++20, so the sdist's -std flag is raised before building.
-# The wheel is cached outside the repository, keyed by mmcv, torch and Python versions.
-PYTAG=$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEEL_DIR=$CACHE/wheels/mmcv-$MMCV_VERSION-torch$TORCH_VERSION-$PYTAG
+# The wheel is cached outside the repository, keyed by mmcv, the torch it is compiled
+# against (the installed one, read from torch itself) and the Python version.
+read -r PYTAG TORCH_BUILT < <("$VENV/bin/python" -c \
+  'import sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}", torch.__version__)')
+WHEEL_DIR=$CACHE/wheels/mmcv-$MMCV_VERSION-torch$TORCH_BUILT-$PYTAG
 if ! "$VENV/bin/python" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '$MMCV_VERSION'" 2>/dev/null; then
   if ! ls "$WHEEL_DIR"/mmcv-*.whl >/dev/null 2>&1; then
     BUILD=$(mktemp -d)
@@ -97,6 +152,10 @@ log "openmim $OPENMIM_VERSION"
 $PIP install -q --no-deps "openmim==$OPENMIM_VERSION"
 $PIP install -q click colorama model-index pandas rich tabulate requests
 
+log "onnx $ONNX_VERSION, onnxscript $ONNXSCRIPT_VERSION, onnxruntime $ONNXRUNTIME_VERSION"
+$PIP install -q "onnx==$ONNX_VERSION" "onnxscript==$ONNXSCRIPT_VERSION" \
+  "onnxruntime==$ONNXRUNTIME_VERSION"
+
 # A develop-style editable install: the distribution's location is the
 # repository, so mim finds flatten_mm/.mim (links to configs/, tools/ and
 # model-index.yml, made by setup.py). pip's PEP 660 editable install would
@@ -107,4 +166,5 @@ log "flatten_mm (editable, setup.py develop)"
   >/dev/null 2>&1) || { log "setup.py develop failed"; exit 1; }
 
 "$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, timm, mim, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'timm', timm.__version__)"
+report_pins || exit 1
 echo "$WANT" > "$STAMP"
