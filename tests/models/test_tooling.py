@@ -41,7 +41,8 @@ def loss_and_grads(model, x):
     outs = [outs] if isinstance(outs, torch.Tensor) else outs
     loss = projection_loss(outs)
     loss.backward()
-    return [o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()}
+    params = getattr(model, '_orig_mod', model).named_parameters()  # compiled: the original's
+    return [o.detach() for o in outs], {n: p.grad.clone() for n, p in params}
 
 
 def assert_grads_close(got, want, rtol):
@@ -89,7 +90,9 @@ def test_fx_traces_dense_backbones(kind):
     assert_grads_close(got_grads, want_grads, 1e-5)
 
 
-@pytest.mark.parametrize('kind,backend', [('pvt', 'inductor'), ('swin', 'inductor'),
+# inductor (what users run) on the backbone with both attention kinds; the graph
+# capture of the others through AOTAutograd alone, to keep the suite short
+@pytest.mark.parametrize('kind,backend', [('pvt', 'inductor'), ('swin', 'aot_eager'),
                                           ('pvtv2', 'aot_eager')])
 def test_compiled_training_step_equals_eager(kind, backend):
     """torch.compile(fullgraph=True) captures forward and backward without a
