@@ -123,7 +123,10 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     grid = tokens.reshape(B, src[0], src[1], C)
     for dim, size in ((2, dst[1]), (1, dst[0])):  # columns, then rows
         if grid.shape[dim] != size:
-            lo, hi, frac = linear_resize_taps(grid.shape[dim], size)
+            # dynamo traces through the cache anyway (and warns): call the plain function
+            taps = (linear_resize_taps.__wrapped__ if torch.compiler.is_compiling()
+                    else linear_resize_taps)
+            lo, hi, frac = taps(grid.shape[dim], size)
             shape = [1, 1, 1, 1]
             shape[dim] = size
             device = grid.device
