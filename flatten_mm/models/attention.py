@@ -212,6 +212,9 @@ class FocusedLinearAttention(nn.Module):
         attn_drop (float): kept for interface parity with softmax attention;
             linear attention forms no attention matrix, so it must be 0.
         proj_drop (float): dropout after the output projection. Default: 0.
+        lepe (bool): also add CSWin's locally-enhanced positional encoding,
+            a 3x3 depth-wise conv over all C channels of V (``get_v``), as
+            FLatten-CSwin does; needs ``sr_ratio=1``. Default: False.
     """
 
     def __init__(self,
@@ -223,7 +226,8 @@ class FocusedLinearAttention(nn.Module):
                  kernel_size: int = 5,
                  pos_grid=14,
                  attn_drop: float = 0.,
-                 proj_drop: float = 0.):
+                 proj_drop: float = 0.,
+                 lepe: bool = False):
         super().__init__()
         check_positive_int('embed_dims', embed_dims)
         check_positive_int('num_heads', num_heads)
@@ -241,6 +245,9 @@ class FocusedLinearAttention(nn.Module):
         if attn_drop:
             raise ValueError(f'attn_drop must be 0 for linear attention (no '
                              f'attention matrix is formed), got {attn_drop}')
+        if lepe and sr_ratio > 1:
+            raise ValueError(f'lepe needs sr_ratio=1 (it is a conv on V on the query '
+                             f'grid), got sr_ratio={sr_ratio}')
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
@@ -253,6 +260,8 @@ class FocusedLinearAttention(nn.Module):
         # one depth-wise conv of d channels, shared by all heads
         self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size,
                              padding=kernel_size // 2, groups=self.head_dims)
+        if lepe:
+            self.get_v = nn.Conv2d(embed_dims, embed_dims, 3, padding=1, groups=embed_dims)
         self.scale = nn.Parameter(torch.zeros(1, 1, embed_dims))
         self.positional_encoding = nn.Parameter(
             torch.zeros(1, self.pos_grid[0] * self.pos_grid[1], embed_dims))
@@ -262,6 +271,14 @@ class FocusedLinearAttention(nn.Module):
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
                 f'sr_ratio={self.sr_ratio}, focusing_factor={self.focusing_factor}, '
                 f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}')
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling
+        raise RuntimeError(
+            'FLatten models do not support torch.jit.script (deprecated by PyTorch, and '
+            'their attention is a custom autograd function it cannot compile); use '
+            'torch.compile, torch.export or torch.onnx.export (any input size), or '
+            'torch.jit.trace (the traced input size only)')
 
     def positional_encoding_for(self, grid: HWShape) -> Tensor:
         """The positional encoding resized to a key grid, (1, h*w, C)."""
@@ -297,6 +314,13 @@ class FocusedLinearAttention(nn.Module):
                                   align_corners=False)
         weight = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
         bias = self.dwc.bias.repeat(self.num_heads)
+        if hasattr(self, 'get_v'):
+            # DWC(V) + LePE(V) is one depth-wise conv: both are centred and
+            # zero-padded, so their kernels add (the smaller one zero-padded)
+            k = max(weight.shape[-1], 3)
+            weight = F.pad(weight, [(k - weight.shape[-1]) // 2] * 4) + \
+                F.pad(self.get_v.weight, [(k - 3) // 2] * 4)
+            bias = bias + self.get_v.bias
         return map_to_tokens(DepthwiseConvFn.apply(v_map, weight, bias))
 
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
@@ -430,4 +454,7 @@ def reference_forward(module: FocusedLinearAttention, x: Tensor, hw_shape: HWSha
     if tuple(grid) != tuple(hw_shape):
         v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
     out = out + module.dwc(v_map).reshape(B, C, N).transpose(1, 2)
+    if hasattr(module, 'get_v'):  # FLatten-CSwin's LePE, over all C channels of V
+        lepe = module.get_v(v.transpose(-2, -1).reshape(B, C, grid[0], grid[1]))
+        out = out + lepe.reshape(B, C, N).transpose(1, 2)
     return module.proj_drop(module.proj(out))

@@ -133,3 +133,20 @@ def test_onnx_export_runs_in_onnxruntime(tmp_path):
     assert len(got) == len(want) == 4
     for a, b in zip(got, want):
         torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
+@pytest.mark.parametrize('name', ['flatten_pvt_tiny', 'flatten_swin_tiny'])
+def test_torchscript_is_refused_clearly_and_trace_works(name):
+    """torch.jit.script cannot compile the attention's autograd function:
+    it fails with a message naming what works instead, not from deep in
+    the compiler. torch.jit.trace records the ops at one input size."""
+    model = timm.create_model(name, pretrained=False).eval()
+    with pytest.raises(RuntimeError, match='do not support torch.jit.script.*torch.compile'):
+        torch.jit.script(model)
+    with pytest.raises(RuntimeError, match='do not support torch.jit.script'):
+        torch.jit.script(FLattenPVT(arch='tiny', depths=[1, 1, 1, 1]))
+    x = torch.randn(1, 3, 64, 96)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, x, check_trace=False)
+        torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
