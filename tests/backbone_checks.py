@@ -14,16 +14,18 @@ def assert_cp_gives_same_gradients(make, x):
 
 
 def assert_autocast_finite(model, dtype, x):
-    """Half-precision autocast, forward and backward, stays finite and close
-    to fp32 (relative in norm): every output within 2%; each parameter's
-    gradient within 8% (bf16) or 20% (fp16, with a dynamic loss scale).
+    """Half-precision autocast, forward and backward (the backward called
+    inside the autocast region, as some training loops do), stays finite and
+    close to fp32 (relative in norm): every output within 2%; each
+    parameter's gradient within 2% (fp16, with a dynamic loss scale) or 7%
+    (bf16).
 
     Measured on the small test backbones at 64x64 with inputs x100: outputs
-    at worst 0.12% (fp16) / 0.91% (bf16); gradients 4.2% (PVTv2) to 5.1%
-    (Swin) in bf16, 0.5% (PVTv2) / 1.1% (Swin) / 12.6% (PVT, stage-4 query
-    weights) in fp16, where the loss scale that keeps the largest gradients
-    finite (2^8) leaves the smallest near fp16's subnormal range. The loss is
-    a fixed random projection of the outputs (a sum of squares of LayerNorm
+    at worst 0.11% (fp16) / 0.90% (bf16); gradients at worst 0.55% (fp16) and
+    3.5% (bf16). The attention core's backward runs in fp32 whatever the
+    ambient autocast; when it followed the ambient autocast, fp16 gradients
+    were off by 12.6% (FLatten-PVT) and 36% (FLatten-CSwin). The loss is a
+    fixed random projection of the outputs (a sum of squares of LayerNorm
     outputs would be constant, its gradient rounding noise)."""
     model.train()
     for m in model.modules():  # no randomness: compare like for like
@@ -52,7 +54,7 @@ def assert_autocast_finite(model, dtype, x):
         assert torch.isfinite(o).all()
         assert ((o - r).norm() / r.norm()).item() < 0.02
     assert grads.keys() == ref_grads.keys()
-    grad_tol = 0.2 if dtype == torch.float16 else 0.08
+    grad_tol = 0.02 if dtype == torch.float16 else 0.07
     for name, grad in grads.items():
         r = ref_grads[name]
         assert torch.isfinite(grad).all(), name

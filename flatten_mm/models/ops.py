@@ -169,6 +169,13 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
+        # the forward ran without autocast (fp32 sums); a backward called
+        # inside an autocast region must not cast its products to half
+        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+            return FocusedLinearAttentionFn._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor):
         q, k, v, s_inv, kv, km, key_mask = ctx.saved_tensors
         p, h = ctx.focusing_factor, ctx.num_heads
         B, N, C = q.shape
