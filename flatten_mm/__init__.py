@@ -1,8 +1,8 @@
 """flatten_mm: FLatten (Focused Linear Attention, ICCV 2023) backbones for
 mmdet, mmsegmentation and timm.
 
-Importing the package registers ``FLattenPVT``, ``FLattenPVTv2`` and
-``FLattenSwin`` in mmdet's and mmseg's ``MODELS`` (whichever is installed) and
+Importing the package registers ``FLattenPVT``, ``FLattenPVTv2``,
+``FLattenSwin`` and ``FLattenCSwin`` in mmdet's and mmseg's ``MODELS`` (whichever is installed) and
 the ImageNet classifiers in timm, and lets mmengine load its own checkpoints
 under torch >= 2.6 (see :func:`flatten_mm.checkpoint.patch_mmengine_loading`), so ``custom_imports=dict(imports=['flatten_mm'])``
 in a config is all an OpenMMLab project needs.
@@ -10,7 +10,7 @@ in a config is all an OpenMMLab project needs.
 from .checkpoint import load_checkpoint_file, load_pretrained, patch_mmengine_loading
 from .engine import (EmptyDatasetHook, RandomStateHook, patch_empty_dataset_error,
                      setup_distributed)
-from .models import (FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention,
+from .models import (FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention,
                      focusing_map, linear_attention)
 from .registry import register_openmmlab, register_timm
 from .version import __version__
@@ -21,5 +21,5 @@ patch_mmengine_loading()
 patch_empty_dataset_error()
 
 __all__ = ['__version__', 'FocusedLinearAttention', 'focusing_map', 'linear_attention',
-           'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'load_checkpoint_file',
+           'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'FLattenCSwin', 'load_checkpoint_file',
            'load_pretrained', 'EmptyDatasetHook', 'RandomStateHook', 'setup_distributed']

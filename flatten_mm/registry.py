@@ -1,6 +1,6 @@
 """Puts the FLatten backbones into the registries of whatever is installed:
 mmdet's and mmseg's ``MODELS`` (as ``FLattenPVT``, ``FLattenPVTv2``,
-``FLattenSwin``) and timm's model registry (the ImageNet classifiers).
+``FLattenSwin``, ``FLattenCSwin``) and timm's model registry (the ImageNet classifiers).
 
 Each library is optional: an environment with only mmseg, only timm, or none
 of them (a bare torch + mmengine machine) imports flatten_mm all the same.
@@ -9,9 +9,9 @@ import importlib
 from functools import partial
 from typing import List
 
-from .models.backbones import FLattenPVT, FLattenPVTv2, FLattenSwin
+from .models.backbones import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
 
-BACKBONES = (FLattenPVT, FLattenPVTv2, FLattenSwin)
+BACKBONES = (FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin)
 OPENMMLAB_SCOPES = ('mmdet', 'mmseg')
 
 # timm model name -> (classifier kind, arch, extra kwargs)
@@ -20,10 +20,16 @@ TIMM_MODELS = {
     **{f'flatten_pvt_v2_{a}': ('pvtv2', a, {}) for a in ('b0', 'b1', 'b2', 'b3', 'b4', 'b5')},
     **{f'flatten_swin_{a}': ('swin', a, {}) for a in ('tiny', 'small', 'base')},
     'flatten_swin_base_384': ('swin', 'base', dict(pretrain_img_size=384, window_size=12)),
+    **{f'flatten_cswin_{a}': ('cswin', a, {}) for a in ('tiny', 'small', 'base')},
+    'flatten_cswin_base_384': ('cswin', 'base', dict(pretrain_img_size=384,
+                                                     split_size=(1, 2, 12, 12))),
 }
+FIRST_CONV = {'pvt': 'patch_embed1.proj', 'pvtv2': 'patch_embed1.proj',
+              'swin': 'patch_embed.proj', 'cswin': 'stage1_conv_embed.0'}
 # the models the authors released ImageNet-1K weights for
 RELEASED = ('flatten_pvt_tiny', 'flatten_pvt_v2_b0', 'flatten_swin_tiny',
-            'flatten_swin_small', 'flatten_swin_base', 'flatten_swin_base_384')
+            'flatten_swin_small', 'flatten_swin_base', 'flatten_swin_base_384',
+            'flatten_cswin_tiny')
 
 
 def register_openmmlab() -> List[str]:
@@ -43,11 +49,11 @@ def register_openmmlab() -> List[str]:
 def _create_timm_model(variant: str, pretrained: bool = False, **kwargs):
     from timm.models import build_model_with_cfg
 
-    from .models.classifiers import (FLattenPVTClassifier, FLattenPVTv2Classifier,
-                                     FLattenSwinClassifier)
+    from .models.classifiers import (FLattenCSwinClassifier, FLattenPVTClassifier,
+                                     FLattenPVTv2Classifier, FLattenSwinClassifier)
     kind, arch, extra = TIMM_MODELS[variant]
     cls = {'pvt': FLattenPVTClassifier, 'pvtv2': FLattenPVTv2Classifier,
-           'swin': FLattenSwinClassifier}[kind]
+           'swin': FLattenSwinClassifier, 'cswin': FLattenCSwinClassifier}[kind]
     kwargs = {**extra, **kwargs}
     return build_model_with_cfg(
         cls, variant, pretrained, arch=arch,
@@ -88,7 +94,7 @@ def register_timm() -> bool:
             pool_size=(size // 32, size // 32), fixed_input_size=False,
             crop_pct=1.0 if size == 384 else 0.9, interpolation='bicubic',
             mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
-            first_conv='patch_embed1.proj' if 'pvt' in name else 'patch_embed.proj',
+            first_conv=FIRST_CONV[TIMM_MODELS[name][0]],
             classifier='head', license='mit')
     globals()['default_cfgs'] = generate_default_cfgs(cfgs)  # read by register_model
     register_fx_leaves()
@@ -113,11 +119,12 @@ def register_fx_leaves() -> None:
     from timm.layers import register_notrace_function, register_notrace_module
 
     from .models.attention import FocusedLinearAttention, resize_tokens
+    from .models.backbones.flatten_cswin import ConvStem, CSwinBlock
     from .models.backbones.flatten_pvt import PatchEmbed
     from .models.backbones.flatten_swin import PatchMerging, SwinBlock
     from .models.layers import SpatialReductionAttention, check_images
     for module in (PatchEmbed, FocusedLinearAttention, SpatialReductionAttention,
-                   SwinBlock, PatchMerging):
+                   SwinBlock, PatchMerging, ConvStem, CSwinBlock):
         register_notrace_module(module)
     for function in (resize_tokens, check_images):
         register_notrace_function(function)

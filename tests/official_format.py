@@ -1,5 +1,6 @@
 """Writes checkpoints laid out as the FLatten release's (``{'model': sd}``,
-official names, Swin's fused ``qkv`` and stored ``attn_mask`` buffers,
+official names, Swin's fused ``qkv`` and stored ``attn_mask`` buffers, CSwin's
+block-level ``qkv`` and ``proj`` in linear blocks,
 optionally a pickled yacs config and optimizer state)."""
 import sys
 import types
@@ -21,6 +22,12 @@ def official_state_dict(model) -> dict:
             block = key.rsplit('.attn.', 1)[0]
             if int(block.rsplit('.', 1)[1]) % 2 == 1:
                 sd[f'{block}.attn_mask'] = torch.zeros(4, 49, 49)
+    if 'stage1_conv_embed.0.weight' in sd:  # CSwin: linear blocks keep qkv, proj outside
+        for key in [k for k in sd if '.attns.0.q.' in k]:
+            block, kind = key.split('.attns.0.q.')
+            sd[f'{block}.qkv.{kind}'] = torch.cat([sd.pop(key),
+                                                    sd.pop(f'{block}.attns.0.kv.{kind}')])
+            sd[f'{block}.proj.{kind}'] = sd.pop(f'{block}.attns.0.proj.{kind}')
     return sd
 
 

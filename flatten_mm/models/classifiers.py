@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..checkpoint import extract_state_dict, load_checkpoint_file
 from .attention import HWShape
 from .layers import stage_output
+from .backbones.flatten_cswin import FLattenCSwin
 from .backbones.flatten_pvt import FLattenPVT, FLattenPVTv2
 from .backbones.flatten_swin import FLattenSwin
 
@@ -224,3 +225,40 @@ class FLattenSwinClassifier(ClassifierMixin, FLattenSwin):
     def drop_stages_after(self, last: int):
         self.layers = self.layers[:last + 1]
         self.layers[last].downsample = None
+
+
+class FLattenCSwinClassifier(ClassifierMixin, FLattenCSwin):
+    """FLatten-CSwin classifier: final LayerNorm, average pooling, head.
+    Features are channels-last (NHWC), as for FLatten-Swin."""
+    output_fmt = 'NHWC'
+
+    def __init__(self, arch: str = 'tiny', num_classes: int = 1000, global_pool: str = 'avg',
+                 in_chans: int = 3, **kwargs):
+        super().__init__(arch=arch, in_channels=in_chans, **kwargs)
+        self.norm = nn.LayerNorm(self.embed_dims[-1])
+        self._build_head(num_classes, global_pool)
+        self.default_init()
+
+    def _add_output_norms(self, out_indices):
+        pass  # the classifier's stage outputs are not normalised
+
+    @staticmethod
+    def stage_name(i: int) -> str:
+        return f'stage{i + 1}'
+
+    def stage_tokens(self, x: Tensor, last: int) -> Iterator[Tuple[int, Tensor, HWShape]]:
+        """Yield (stage index, tokens (B, N, C), grid) for stages 0..last."""
+        for i, tokens, hw_shape in self.forward_stages(x):
+            yield i, tokens, hw_shape
+            if i == last:
+                return
+
+    def final_features(self, tokens: Tensor, hw_shape: HWShape, norm: bool = True) -> Tensor:
+        if norm:
+            tokens = self.norm(tokens)
+        return tokens.view(tokens.shape[0], hw_shape[0], hw_shape[1], -1)
+
+    def drop_stages_after(self, last: int):
+        for i in range(last + 1, self.num_stages):
+            delattr(self, f'stage{i + 1}')
+            delattr(self, f'merge{i}')

@@ -7,7 +7,8 @@ import timm
 import torch
 
 import flatten_mm  # noqa: F401  (registers the models in timm)
-from flatten_mm import FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention
+from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention
+from flatten_mm.models.backbones.flatten_cswin import CSwinBlock
 from flatten_mm.models.attention import reference_forward
 from flatten_mm.models.backbones.flatten_swin import SwinBlock
 
@@ -22,6 +23,8 @@ OFFICIAL_PARAMS = {
     'flatten_pvt_v2_b4': 51836968, 'flatten_pvt_v2_b5': 67061544,
     'flatten_swin_tiny': 29192384, 'flatten_swin_small': 50510288,
     'flatten_swin_base': 88972488,
+    'flatten_cswin_tiny': 21201768, 'flatten_cswin_small': 35451752,
+    'flatten_cswin_base': 74867032, 'flatten_cswin_base_384': 78369112,
 }
 
 
@@ -82,19 +85,56 @@ def swin_shifted_window_reference(block, x, hw):
     return x + block.mlp(block.norm2(x))
 
 
+def cswin_stripe_reference(block, x, hw):
+    """CSWin's own recipe for a softmax block, on maps the stripes divide:
+    fused qkv split by channel halves between the vertical- and the
+    horizontal-stripe branch, per stripe softmax(q k^T d^-1/2) v plus the 3x3
+    conv of that stripe's V, stripes back into the map, concat, proj."""
+    B, N, C = x.shape
+    H, W = hw
+    qkv = block.qkv(block.norm1(x)).reshape(B, N, 3, C).permute(2, 0, 1, 3)
+    c = C // len(block.attns)
+    outs = []
+    for b, branch in enumerate(block.attns):
+        hs, ws = (H, W) if branch.stripe is None else \
+            (H, branch.stripe) if branch.vertical else (branch.stripe, W)
+        h = branch.num_heads
+        d = c // h
+
+        def stripes(t):  # (B, N, c) -> (B * stripes, hs * ws, c)
+            t = t[..., b * c:(b + 1) * c].transpose(1, 2).reshape(B, c, H // hs, hs, W // ws, ws)
+            return t.permute(0, 2, 4, 3, 5, 1).reshape(-1, hs * ws, c)
+
+        def heads(t):
+            return t.reshape(-1, hs * ws, h, d).permute(0, 2, 1, 3)
+        q, k, v = (stripes(t) for t in qkv)
+        lepe = branch.get_v(v.transpose(1, 2).reshape(-1, c, hs, ws))
+        lepe = lepe.reshape(-1, h, d, hs * ws).permute(0, 1, 3, 2)
+        attn = ((heads(q) * d ** -0.5) @ heads(k).transpose(-2, -1)).softmax(-1)
+        out = (attn @ heads(v) + lepe).transpose(1, 2).reshape(-1, hs * ws, c)
+        out = out.view(B, H // hs, W // ws, hs, ws, c).permute(0, 1, 3, 2, 4, 5)
+        outs.append(out.reshape(B, N, c))
+    x = x + block.proj(torch.cat(outs, -1))
+    return x + block.mlp(block.norm2(x))
+
+
 def use_release_op_order(model):
     """Swap every attention for the release's recipe: the official op order
-    for focused linear attention, cyclic shift + mask for Swin windows."""
+    for focused linear attention (with CSWin's LePE), cyclic shift + mask for
+    Swin windows, CSWin's stripes."""
     for m in model.modules():
         if isinstance(m, FocusedLinearAttention):
             m.forward = types.MethodType(
                 lambda self, x, hw, key_mask=None: reference_forward(self, x, hw), m)
         if isinstance(m, SwinBlock) and not m.linear:
             m.forward = types.MethodType(swin_shifted_window_reference, m)
+        if isinstance(m, CSwinBlock) and not m.linear:
+            m.forward = types.MethodType(cswin_stripe_reference, m)
     return model
 
 
-@pytest.mark.parametrize('name', ['flatten_pvt_tiny', 'flatten_pvt_v2_b0', 'flatten_swin_tiny'])
+@pytest.mark.parametrize('name', ['flatten_pvt_tiny', 'flatten_pvt_v2_b0', 'flatten_swin_tiny',
+                                  'flatten_cswin_tiny'])
 def test_official_file_loads_and_gives_release_logits(tmp_path, name):
     path = str(tmp_path / f'{name}.pth')
     source = write_official_checkpoint(path, name)
@@ -144,6 +184,7 @@ def test_new_class_count_drops_the_head(tmp_path):
     ('flatten_pvt_tiny', FLattenPVT, dict(arch='tiny')),
     ('flatten_pvt_v2_b0', FLattenPVTv2, dict(arch='b0')),
     ('flatten_swin_tiny', FLattenSwin, dict(arch='tiny')),
+    ('flatten_cswin_tiny', FLattenCSwin, dict(arch='tiny')),
 ])
 def test_dense_backbone_and_classifier_agree(tmp_path, name, dense_cls, kwargs):
     path = str(tmp_path / f'{name}.pth')
@@ -163,10 +204,10 @@ def test_dense_backbone_and_classifier_agree(tmp_path, name, dense_cls, kwargs):
         final = classifier.forward_features(x)
     assert [tuple(m.shape[1:]) for m in maps] == [tuple(f.shape[1:]) for f in feats]
     for i, (m, f) in enumerate(zip(maps, feats)):
-        if hasattr(dense, f'norm{i}') and dense_cls is FLattenSwin:
+        if hasattr(dense, f'norm{i}') and dense_cls in (FLattenSwin, FLattenCSwin):
             f = getattr(dense, f'norm{i}')(f.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(f.shape)
         torch.testing.assert_close(m, f, rtol=1e-5, atol=1e-5)
     last = feats[-1]
-    if dense_cls is FLattenSwin:  # NHWC features after the final norm
+    if dense_cls in (FLattenSwin, FLattenCSwin):  # NHWC features after the final norm
         last = classifier.norm(last.permute(0, 2, 3, 1))
     torch.testing.assert_close(final, last, rtol=1e-5, atol=1e-5)

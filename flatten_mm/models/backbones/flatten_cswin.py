@@ -1,0 +1,325 @@
+"""FLatten-CSwin backbone.
+
+Module names follow the official release (``stage1_conv_embed``,
+``stage{i}.{j}``, ``merge{i}``), so the released ImageNet checkpoint loads
+without renaming; the fused ``qkv`` and the ``proj`` that the release keeps at
+block level in its linear blocks are moved into the block's
+:class:`FocusedLinearAttention` on load.
+
+Focused linear (``L``) stages attend globally, as the released models were
+pretrained (their linear stripe width equals the stage's resolution: one
+branch over the whole map), with CSWin's LePE added to the attention and its
+DWC. Softmax (``S``) stages are CSWin's cross-shaped windows: half the heads
+attend within vertical stripes of width ``split_size``, half within
+horizontal ones, each with its LePE; the last stage (and any stage whose
+stripe covers the pretraining map) has one branch over the whole map. Stripes
+that do not divide the map are padded at the bottom/right and the padded
+tokens are masked out of the softmax, so results do not depend on padding.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import (FocusedLinearAttention, HWShape, check_positive_int, map_to_tokens,
+                         to_2tuple_checked, tokens_to_map)
+from ..layers import (DropPath, Mlp, check_attn_type, check_images, check_stage_list,
+                      drop_path_rates, stage_output, window_merge, window_partition)
+from .base import FLattenBackbone
+
+
+class LePEAttention(nn.Module):
+    """CSWin's softmax attention within stripes (or over the whole map), plus
+    its locally-enhanced positional encoding: a 3x3 depth-wise conv of V
+    within each stripe (``get_v``, zero-padded at the stripe's borders).
+
+    Args:
+        embed_dims (int): channels of this branch.
+        num_heads (int): heads of this branch.
+        stripe (int, optional): stripe width; None attends over the whole map.
+        vertical (bool): vertical stripes (full height, ``stripe`` columns)
+            or horizontal ones (``stripe`` rows, full width).
+        attn_drop (float): dropout on the attention weights. Default: 0.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, stripe: Optional[int] = None,
+                 vertical: bool = True, attn_drop: float = 0.):
+        super().__init__()
+        self.num_heads = num_heads
+        self.stripe = stripe
+        self.vertical = vertical
+        self.attn_drop = attn_drop
+        self.get_v = nn.Conv2d(embed_dims, embed_dims, 3, padding=1, groups=embed_dims)
+
+    def extra_repr(self) -> str:
+        kind = 'whole map' if self.stripe is None else \
+            f"{'vertical' if self.vertical else 'horizontal'} stripes of {self.stripe}"
+        return f'num_heads={self.num_heads}, {kind}'
+
+    def window(self, hw_shape: HWShape) -> HWShape:
+        H, W = hw_shape
+        if self.stripe is None:
+            return (H, W)
+        return (H, self.stripe) if self.vertical else (self.stripe, W)
+
+    def forward(self, qkv: Tensor) -> Tensor:
+        """(B, H, W, 3C) map of q, k, v (C channels each) -> (B, H, W, C)."""
+        B, H, W, C3 = qkv.shape
+        C, h = C3 // 3, self.num_heads
+        window = self.window((H, W))
+        windows, key_mask, layout = window_partition(qkv, window, (0, 0))
+        Bw, n, _ = windows.shape
+        q, k, v = windows.view(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
+        mask = None
+        if key_mask is not None:  # padded keys get no weight
+            mask = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(~key_mask, float('-inf'))[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
+        out = out.transpose(1, 2).reshape(Bw, n, C)
+        # LePE: V of each stripe as a map; padded V is zero, as the conv's own padding
+        v_map = tokens_to_map(windows[..., 2 * C:], window)
+        out = out + map_to_tokens(self.get_v(v_map))
+        return window_merge(out, window, (H, W), layout)
+
+
+class CSwinBlock(nn.Module):
+    """norm1 -> attention -> proj, norm2 -> MLP, both residual.
+
+    A linear (``L``) block is one :class:`FocusedLinearAttention` over the
+    whole map with LePE (``attns.0``, holding its own q/kv/proj). A softmax
+    (``S``) block projects q, k, v (``qkv``), splits channels and heads into
+    a vertical- and a horizontal-stripe branch (``attns.0``, ``attns.1``), or
+    keeps one branch over the whole map (``stripe=None``), and projects the
+    concatenation (``proj``).
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, attn_type: str,
+                 stripe: Optional[int], pos_grid: HWShape, focusing_factor: float,
+                 kernel_size: int, mlp_ratio: float = 4., qkv_bias: bool = True,
+                 drop: float = 0., attn_drop: float = 0., drop_path: float = 0.):
+        super().__init__()
+        self.linear = attn_type == 'L'
+        self.norm1 = nn.LayerNorm(embed_dims)
+        if self.linear:
+            self.attns = nn.ModuleList([FocusedLinearAttention(
+                embed_dims, num_heads, qkv_bias=qkv_bias, focusing_factor=focusing_factor,
+                kernel_size=kernel_size, pos_grid=pos_grid, proj_drop=drop, lepe=True)])
+            self._register_load_state_dict_pre_hook(self._move_official_projections)
+        else:
+            if stripe is None:
+                branches = [LePEAttention(embed_dims, num_heads, None, attn_drop=attn_drop)]
+            else:
+                if num_heads % 2:
+                    raise ValueError(f'a stripe block splits its heads between two branches: '
+                                     f'num_heads must be even, got {num_heads}')
+                branches = [LePEAttention(embed_dims // 2, num_heads // 2, stripe, vertical,
+                                          attn_drop) for vertical in (True, False)]
+            self.qkv = nn.Linear(embed_dims, 3 * embed_dims, bias=qkv_bias)
+            self.attns = nn.ModuleList(branches)
+            self.proj = nn.Linear(embed_dims, embed_dims)
+            self.proj_drop = nn.Dropout(drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(embed_dims)
+        self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop)
+
+    @staticmethod
+    def _move_official_projections(state_dict, prefix, *args, **kwargs):
+        # the release keeps a linear block's qkv and proj beside its attention
+        for name in ('qkv', 'proj'):
+            for kind in ('weight', 'bias'):
+                value = state_dict.pop(f'{prefix}{name}.{kind}', None)
+                if value is not None:
+                    state_dict[f'{prefix}attns.0.{name}.{kind}'] = value
+
+    def attention(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        if self.linear:
+            return self.attns[0](x, hw_shape)
+        B, N, C = x.shape
+        H, W = hw_shape
+        qkv = self.qkv(x).view(B, H, W, 3, C)
+        parts = len(self.attns)
+        # branch b takes the b-th channel slice of each of q, k and v
+        qkv = qkv.view(B, H, W, 3, parts, C // parts)
+        out = torch.cat([branch(qkv[:, :, :, :, b].reshape(B, H, W, 3 * C // parts))
+                         for b, branch in enumerate(self.attns)], dim=-1)
+        return self.proj_drop(self.proj(out.reshape(B, N, C)))
+
+    def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        x = x + self.drop_path(self.attention(self.norm1(x), hw_shape))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class ConvStem(nn.Sequential):
+    """Conv2d(7, stride 4, padding 2) + LayerNorm on tokens, indexed 0 and 2
+    as the release's ``stage1_conv_embed``. The input is padded at the
+    bottom/right to a multiple of 4, so the grid is ceil(H / 4) x ceil(W / 4)."""
+
+    def __init__(self, in_channels: int, embed_dims: int):
+        super().__init__(nn.Conv2d(in_channels, embed_dims, 7, 4, 2), nn.Identity(),
+                         nn.LayerNorm(embed_dims))
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, HWShape]:
+        pad_h, pad_w = -x.shape[2] % 4, -x.shape[3] % 4
+        if pad_h or pad_w:
+            x = F.pad(x, (0, pad_w, 0, pad_h))
+        x = self[0](x)
+        return self[2](map_to_tokens(x)), (x.shape[2], x.shape[3])
+
+
+class MergeBlock(nn.Module):
+    """Conv2d(3, stride 2, padding 1) + LayerNorm between stages: a grid of
+    H x W becomes ceil(H / 2) x ceil(W / 2)."""
+
+    def __init__(self, in_dims: int, out_dims: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_dims, out_dims, 3, 2, 1)
+        self.norm = nn.LayerNorm(out_dims)
+
+    def forward(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, HWShape]:
+        x = self.conv(tokens_to_map(x, hw_shape))
+        return self.norm(map_to_tokens(x)), (x.shape[2], x.shape[3])
+
+
+class FLattenCSwin(FLattenBackbone):
+    """FLatten-CSwin: CSWin Transformer with focused linear attention.
+
+    Args:
+        arch (str): ``tiny``, ``small`` or ``base``. Default: ``tiny``.
+        in_channels (int): image channels. Default: 3.
+        embed_dims (int, optional): channels of stage 1 (doubled per stage).
+        depths, num_heads (Sequence[int], optional): per stage overrides.
+        attn_type (str): one letter per stage, ``L`` focused linear (global,
+            with LePE) or ``S`` CSWin's softmax stripes. Default: ``LLSS``
+            (as released).
+        split_size (Sequence[int]): stripe widths of the softmax stages.
+            Default: (1, 2, 7, 7) (CSWin's; (1, 2, 12, 12) for the 384 model).
+        pretrain_img_size (int | tuple): resolution of pretraining; the linear
+            attention's positional encodings live on the stage grids at this
+            resolution and are resized to each input, and a softmax stage whose
+            stripe covers its pretraining grid has one branch. Default: 224.
+        focusing_factor (float): p of the focused mapping. Default: 3.
+        kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
+        mlp_ratio (float): MLP hidden ratio. Default: 4.
+        qkv_bias (bool): bias in the qkv projections. Default: True.
+        drop_rate, attn_drop_rate (float): dropout rates. Default: 0.
+        drop_path_rate (float): stochastic depth, linear over blocks.
+            Default: 0.2 (the release's for tiny).
+        out_indices (Sequence[int]): stages whose (LayerNorm-ed) maps are
+            returned. Default: (0, 1, 2, 3).
+        frozen_stages (int): -1 freezes nothing; k >= 0 freezes the stem and
+            the first k stages (with their merge blocks). Default: -1.
+        norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
+    """
+    ignore_unexpected = (r'head\.', r'norm\.')  # the classifier's head and final norm
+    ignore_missing = (r'norm\d\.',)  # the LayerNorm on each dense output
+    arch_zoo = {
+        'tiny': dict(embed_dims=64, depths=[2, 4, 18, 1], num_heads=[2, 4, 8, 16]),
+        'small': dict(embed_dims=64, depths=[2, 4, 32, 2], num_heads=[2, 4, 8, 16]),
+        'base': dict(embed_dims=96, depths=[3, 6, 29, 2], num_heads=[4, 8, 16, 32]),
+    }
+
+    def __init__(self,
+                 arch: str = 'tiny',
+                 in_channels: int = 3,
+                 embed_dims: Optional[int] = None,
+                 depths: Optional[Sequence[int]] = None,
+                 num_heads: Optional[Sequence[int]] = None,
+                 attn_type: str = 'LLSS',
+                 split_size: Sequence[int] = (1, 2, 7, 7),
+                 pretrain_img_size=224,
+                 focusing_factor: float = 3,
+                 kernel_size: int = 5,
+                 mlp_ratio: float = 4.,
+                 qkv_bias: bool = True,
+                 drop_rate: float = 0.,
+                 attn_drop_rate: float = 0.,
+                 drop_path_rate: float = 0.2,
+                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 frozen_stages: int = -1,
+                 norm_eval: bool = False,
+                 with_cp: bool = False,
+                 init_cfg: Optional[dict] = None):
+        super().__init__(init_cfg=init_cfg)
+        preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
+                                    num_heads=num_heads)
+        base_dims = check_positive_int('embed_dims', preset['embed_dims'])
+        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
+        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
+        split_size = check_stage_list('split_size', split_size, 4, positive_ints=True)
+        attn_type = check_attn_type(attn_type, 4)
+        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
+        dims = [base_dims * 2 ** i for i in range(4)]
+        for d, h in zip(dims, num_heads):
+            if d % h:
+                raise ValueError(f'stage dims {dims} must be divisible by num_heads '
+                                 f'{num_heads} stage by stage')
+        self.arch = arch
+        self.embed_dims = dims
+        self.attn_type = attn_type
+        self.num_stages = 4
+
+        self.stage1_conv_embed = ConvStem(in_channels, base_dims)
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
+        for i in range(4):
+            grid = (img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i))
+            # one branch over the whole map in the last stage, and where a
+            # stripe covers the pretraining grid (the release's rule)
+            whole = i == 3 or split_size[i] >= max(grid)
+            if attn_type[i] == 'S' and not whole and num_heads[i] % 2:
+                raise ValueError(f'num_heads {num_heads}: stage {i + 1} has two stripe '
+                                 'branches, which split its heads, so they must be even')
+            if i > 0:
+                setattr(self, f'merge{i}', MergeBlock(dims[i - 1], dims[i]))
+            setattr(self, f'stage{i + 1}', nn.ModuleList([
+                CSwinBlock(dims[i], num_heads[i], attn_type[i],
+                           None if whole else split_size[i], pos_grid=grid,
+                           focusing_factor=focusing_factor, kernel_size=kernel_size,
+                           mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate,
+                           attn_drop=attn_drop_rate, drop_path=dpr[sum(depths[:i]) + j])
+                for j in range(depths[i])]))
+        self._add_output_norms(out_indices)
+        self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
+
+    def _add_output_norms(self, out_indices):
+        for i in out_indices:
+            if isinstance(i, int) and 0 <= i < 4:
+                setattr(self, f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
+
+    def stem_modules(self) -> List[nn.Module]:
+        return [self.stage1_conv_embed]
+
+    def stage_modules(self, i: int) -> List[nn.Module]:
+        names = [f'merge{i}', f'stage{i + 1}', f'norm{i}']
+        return [getattr(self, n) for n in names if hasattr(self, n)]
+
+    def forward_stages(self, x: Tensor):
+        """Yield (stage index, tokens (B, N, C), grid) after each stage."""
+        x, hw_shape = self.stage1_conv_embed(x)
+        for i in range(self.num_stages):
+            if i > 0:
+                x, hw_shape = getattr(self, f'merge{i}')(x, hw_shape)
+            for block in getattr(self, f'stage{i + 1}'):
+                x = self.run_block(block, x, hw_shape)
+            yield i, x, hw_shape
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        """
+        Args:
+            x (Tensor): images (B, C, H, W), any H and W.
+
+        Returns:
+            tuple[Tensor]: LayerNorm-ed feature maps (B, C_i, ceil(H / s_i),
+            ceil(W / s_i)) at strides s_i = 4, 8, 16, 32 for the stages in
+            ``out_indices``.
+        """
+        x = check_images(x)
+        outs = []
+        for i, tokens, hw_shape in self.forward_stages(x):
+            if i in self.out_indices:
+                norm = getattr(self, f'norm{i}', None)
+                if norm is not None:
+                    tokens = norm(tokens)
+                outs.append(stage_output(tokens, hw_shape))
+        return tuple(outs)
