@@ -14,6 +14,7 @@ from flatten_mm import registry
     dict(type='FLattenPVT', arch='tiny'),
     dict(type='FLattenPVTv2', arch='b0'),
     dict(type='FLattenSwin', arch='tiny', depths=[2, 2, 2, 2]),
+    dict(type='FLattenCSwin', arch='tiny', depths=[1, 2, 2, 1]),
 ])
 def test_build_from_openmmlab_registry_at_odd_sizes(scope, cfg):
     MODELS = importlib.import_module(f'{scope}.registry').MODELS

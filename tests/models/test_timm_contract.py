@@ -15,6 +15,7 @@ SMALL = {
     'flatten_pvt_tiny': dict(depths=[1, 1, 1, 1]),
     'flatten_pvt_v2_b0': dict(depths=[1, 1, 1, 1]),
     'flatten_swin_tiny': dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
+    'flatten_cswin_tiny': dict(embed_dims=16, depths=[1, 1, 1, 1], num_heads=[2, 2, 4, 4]),
 }
 
 

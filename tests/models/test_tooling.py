@@ -6,19 +6,21 @@ import torch
 from timm.layers import create_feature_extractor, get_notrace_functions, get_notrace_modules
 
 import flatten_mm  # noqa: F401  (registers the models and their fx leaves in timm)
-from flatten_mm import FLattenPVT, FLattenPVTv2, FLattenSwin
+from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
 
 # small classifiers of each family: one or two blocks per stage
 SMALL = {
     'flatten_pvt_tiny': dict(depths=[1, 1, 1, 1]),
     'flatten_pvt_v2_b0': dict(depths=[1, 1, 1, 1]),
     'flatten_swin_tiny': dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
+    'flatten_cswin_tiny': dict(embed_dims=16, depths=[1, 1, 1, 1], num_heads=[2, 2, 4, 4]),
 }
 BACKBONES = {
     'pvt': (FLattenPVT, dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4],
                              depths=[1, 1, 1, 1], attn_type='LLSS')),
     'pvtv2': (FLattenPVTv2, dict(arch='b0', depths=[1, 1, 1, 1])),
     'swin': (FLattenSwin, dict(embed_dims=16, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2])),
+    'cswin': (FLattenCSwin, dict(embed_dims=16, num_heads=[2, 2, 4, 4], depths=[1, 1, 1, 1])),
 }
 
 
@@ -93,7 +95,7 @@ def test_fx_traces_dense_backbones(kind):
 # inductor (what users run) on the backbone with both attention kinds; the graph
 # capture of the others through AOTAutograd alone, to keep the suite short
 @pytest.mark.parametrize('kind,backend', [('pvt', 'inductor'), ('swin', 'aot_eager'),
-                                          ('pvtv2', 'aot_eager')])
+                                          ('pvtv2', 'aot_eager'), ('cswin', 'aot_eager')])
 def test_compiled_training_step_equals_eager(kind, backend):
     """torch.compile(fullgraph=True) captures forward and backward without a
     graph break; losses and gradients equal eager to 1e-4 relative."""
