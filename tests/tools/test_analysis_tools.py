@@ -77,3 +77,28 @@ def test_benchmark_backbone_interleaves_writes_and_survives_oom(tmp_path):
     assert tool.run_case(spec, timeout=300)['status'] == 'out of memory'
     with pytest.raises(SystemExit):
         tool.main(['--models', 'vit-b'])
+
+
+def test_get_flops_of_flatten_cswin_tiny_and_its_softmax_form():
+    """FLatten-CSwin-T at 224: the release's parameter count; FLOPs 4.34 G
+    (the paper gives 4.3 G), a little below CSWin's stripes in every stage."""
+    tool = load_tool('get_flops')
+    flatten = tool.main(['--timm', 'flatten_cswin_tiny', '--shape', '224'])
+    assert flatten['params'] == 21_201_768
+    assert abs(flatten['flops'] / 1e9 - 4.34) < 0.01
+    assert flatten['flops_by_operator']['focused_linear_attention'] > 0
+    softmax = tool.main(['--backbone', 'FLattenCSwin', '--attn-type', 'SSSS', '--shape', '224'])
+    assert 'focused_linear_attention' not in softmax['flops_by_operator']
+    assert softmax['flops_by_operator']['softmax_attention'] > 0
+    assert flatten['flops'] < softmax['flops']
+    with pytest.raises(SystemExit, match='attn_type must be a string of 4 letters'):
+        tool.main(['--backbone', 'FLattenCSwin', '--attn-type', 'LLS'])
+
+
+def test_benchmark_backbone_knows_cswin_and_its_baseline():
+    tool = load_tool('benchmark_backbone')
+    assert {'flatten-cswin-t', 'cswin-t'} <= set(tool.model_names())
+    assert tool.baseline_of('flatten-cswin-t') == 'cswin-t'
+    flatten, softmax = tool.build_model('flatten-cswin-t'), tool.build_model('cswin-t')
+    assert (flatten.attn_type, softmax.attn_type) == ('LLSS', 'SSSS')
+    assert type(flatten) is type(softmax) and flatten.arch == softmax.arch == 'tiny'

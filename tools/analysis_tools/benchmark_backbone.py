@@ -20,9 +20,10 @@ Memory:
 * CPU, both modes: growth of the process's peak resident memory during the
   steps (``ru_maxrss``); coarse, as it includes allocator caching.
 
-Models: ``flatten-pvt-{t,s,m}``, ``flatten-pvtv2-b{0,1,2}``, ``flatten-swin-{t,s}``
-(flatten_mm), their softmax counterparts ``pvt-{t,s,m}``, ``pvtv2-b{0,1,2}``,
-``swin-{t,s}`` (mmdet's backbones), and ``NAME@reference`` for a flatten model
+Models: ``flatten-pvt-{t,s,m}``, ``flatten-pvtv2-b{0,1,2}``, ``flatten-swin-{t,s}``,
+``flatten-cswin-{t,s}`` (flatten_mm), their softmax counterparts ``pvt-{t,s,m}``,
+``pvtv2-b{0,1,2}``, ``swin-{t,s}`` (mmdet's backbones) and ``cswin-{t,s}``
+(``FLattenCSwin`` with ``attn_type='SSSS'``: CSWin's stripes in every stage), and ``NAME@reference`` for a flatten model
 whose linear attention runs the plain reference code (official op order).
 Writes ``results.json``, ``results.csv`` and ``results.png`` to ``--out-dir``.
 """
@@ -43,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # flatten_mm without an install (e.g. a bare GPU 
 PVT_LAYERS = dict(t=[2, 2, 2, 2], s=[3, 4, 6, 3], m=[3, 4, 18, 3])
 PVTV2 = dict(b0=(32, [2, 2, 2, 2]), b1=(64, [2, 2, 2, 2]), b2=(64, [3, 4, 6, 3]))
 SWIN = dict(t=('tiny', [2, 2, 6, 2]), s=('small', [2, 2, 18, 2]))
+CSWIN = dict(t='tiny', s='small')
 
 
 def model_names():
@@ -53,6 +55,8 @@ def model_names():
         names += [f'flatten-pvtv2-{k}', f'pvtv2-{k}']
     for k in SWIN:
         names += [f'flatten-swin-{k}', f'swin-{k}']
+    for k in CSWIN:
+        names += [f'flatten-cswin-{k}', f'cswin-{k}']
     return names
 
 
@@ -75,11 +79,14 @@ def build_model(name: str):
     check_model_name(name)
     base, _, variant = name.partition('@')
     family, _, size = base.rpartition('-')
+    if family == 'cswin':  # CSWin: the same class with softmax stripes in every stage
+        from flatten_mm.models.backbones import FLattenCSwin
+        return FLattenCSwin(arch=CSWIN[size], attn_type='SSSS')
     if family.startswith('flatten'):
-        from flatten_mm.models.backbones import FLattenPVT, FLattenPVTv2, FLattenSwin
+        from flatten_mm.models.backbones import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
         arch = {'t': 'tiny', 's': 'small', 'm': 'medium'}.get(size, size)
-        cls = dict(zip(['flatten-pvt', 'flatten-pvtv2', 'flatten-swin'],
-                       [FLattenPVT, FLattenPVTv2, FLattenSwin]))[family]
+        cls = dict(zip(['flatten-pvt', 'flatten-pvtv2', 'flatten-swin', 'flatten-cswin'],
+                       [FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin]))[family]
         model = cls(arch=arch)
         if variant == 'reference':
             from flatten_mm.models.attention import FocusedLinearAttention, reference_forward

@@ -2,6 +2,7 @@
 
     python tools/analysis_tools/get_flops.py CONFIG --shape 800 1280
     python tools/analysis_tools/get_flops.py --backbone FLattenPVT --arch tiny --shape 224
+    python tools/analysis_tools/get_flops.py --backbone FLattenCSwin --attn-type SSSS --shape 224
     python tools/analysis_tools/get_flops.py --timm flatten_swin_tiny --shape 224
 
 Counting follows mmengine's ``FlopAnalyzer`` (as mmdet's get_flops.py): one
@@ -31,6 +32,8 @@ def parse_args(argv=None):
     parser.add_argument('config', nargs='?', help='an mmdet / mmseg config')
     parser.add_argument('--backbone', help='a flatten_mm backbone class, e.g. FLattenPVT')
     parser.add_argument('--arch', default='tiny', help='arch of --backbone')
+    parser.add_argument('--attn-type', help='attn_type of --backbone, e.g. SSSS for its '
+                        'softmax counterpart (default: the backbone\'s)')
     parser.add_argument('--timm', help='a timm model name, e.g. flatten_pvt_tiny')
     parser.add_argument('--shape', type=int, nargs='+', default=[224],
                         help='input H W (one number: square)')
@@ -40,6 +43,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if sum(x is not None for x in (args.config, args.backbone, args.timm)) != 1:
         parser.error('give exactly one of CONFIG, --backbone or --timm')
+    if args.attn_type and not args.backbone:
+        parser.error('--attn-type goes with --backbone')
     if len(args.shape) not in (1, 2) or min(args.shape) < 1:
         parser.error(f'--shape takes H W or one size, got {args.shape}')
     args.shape = tuple(args.shape) * (3 - len(args.shape))
@@ -93,7 +98,14 @@ def build(args):
         if cls is None or not isinstance(cls, type):
             names = [n for n in backbones.__all__ if n[0].isupper()]
             raise SystemExit(f'unknown --backbone {args.backbone!r}; choose from {names}')
-        return cls(arch=args.arch).eval(), lambda m, x: m(x)
+        kwargs = dict(arch=args.arch)
+        if args.attn_type:
+            kwargs['attn_type'] = args.attn_type
+        try:
+            model = cls(**kwargs)
+        except ValueError as err:
+            raise SystemExit(f'--backbone {args.backbone}: {err}')
+        return model.eval(), lambda m, x: m(x)
     import timm
     import flatten_mm  # noqa: F401  (registers the classifiers)
     return timm.create_model(args.timm).eval(), lambda m, x: m(x)
@@ -115,7 +127,8 @@ def main(argv=None):
     args = parse_args(argv)
     model, call = build(args)
     result = count(model, call, args.shape)
-    name = args.config or args.backbone and f'{args.backbone}({args.arch})' or args.timm
+    name = args.config or args.backbone and \
+        f"{args.backbone}({args.arch}{', ' + args.attn_type if args.attn_type else ''})" or args.timm
     print(f'model: {name}\ninput shape: 1x3x{args.shape[0]}x{args.shape[1]}')
     print(f"FLOPs: {result['flops'] / 1e9:.3f} G (multiply-accumulates)")
     for op, n in sorted(result['flops_by_operator'].items(), key=lambda kv: -kv[1]):
