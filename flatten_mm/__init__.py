@@ -2,7 +2,7 @@
 mmdet, mmsegmentation and timm.
 
 Importing the package registers ``FLattenPVT``, ``FLattenPVTv2``,
-``FLattenSwin`` and ``FLattenCSwin`` in mmdet's and mmseg's ``MODELS`` (whichever is installed) and
+``FLattenSwin`` and ``FLattenCSwin`` in mmdet's, mmseg's and mmpretrain's ``MODELS`` (whichever are installed) and
 the ImageNet classifiers in timm, and lets mmengine load its own checkpoints
 under torch >= 2.6 (see :func:`flatten_mm.checkpoint.patch_mmengine_loading`), so ``custom_imports=dict(imports=['flatten_mm'])``
 in a config is all an OpenMMLab project needs.

@@ -1,6 +1,6 @@
 """Puts the FLatten backbones into the registries of whatever is installed:
-mmdet's and mmseg's ``MODELS`` (as ``FLattenPVT``, ``FLattenPVTv2``,
-``FLattenSwin``, ``FLattenCSwin``) and timm's model registry (the ImageNet classifiers).
+mmdet's, mmseg's and mmpretrain's ``MODELS`` (as ``FLattenPVT``,
+``FLattenPVTv2``, ``FLattenSwin``, ``FLattenCSwin``) and timm's model registry (the ImageNet classifiers).
 
 Each library is optional: an environment with only mmseg, only timm, or none
 of them (a bare torch + mmengine machine) imports flatten_mm all the same.
@@ -12,7 +12,7 @@ from typing import List
 from .models.backbones import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
 
 BACKBONES = (FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin)
-OPENMMLAB_SCOPES = ('mmdet', 'mmseg')
+OPENMMLAB_SCOPES = ('mmdet', 'mmseg', 'mmpretrain')
 
 # timm model name -> (classifier kind, arch, extra kwargs)
 TIMM_MODELS = {
@@ -33,7 +33,8 @@ RELEASED = ('flatten_pvt_tiny', 'flatten_pvt_v2_b0', 'flatten_swin_tiny',
 
 
 def register_openmmlab() -> List[str]:
-    """Register the backbones in mmdet / mmseg ``MODELS``; returns the scopes done."""
+    """Register the backbones in mmdet / mmseg / mmpretrain ``MODELS``;
+    returns the scopes done."""
     done = []
     for scope in OPENMMLAB_SCOPES:
         try:
@@ -68,8 +69,15 @@ def checkpoint_filter_fn(state_dict: dict, model) -> dict:
     """timm's filter for official weights: take ``state_dict['model']`` if
     nested, drop what the model leaves out of the release (FLatten-PVT's
     unused final norm) and the head when the class count differs. Official
-    names are ours, and the fused Swin ``qkv`` is split when the model loads it."""
-    from .checkpoint import extract_state_dict
+    names are ours, and the fused Swin ``qkv`` is split when the model loads it.
+    An mmpretrain classifier's checkpoint (``backbone.*``, ``head.fc.*``) is
+    renamed to ours."""
+    from .checkpoint import STATE_DICT_KEYS, extract_state_dict
+    from .models.classifiers import from_mmpretrain, is_mmpretrain_classifier
+    nested = next((state_dict[k] for k in STATE_DICT_KEYS
+                   if isinstance(state_dict.get(k), dict)), state_dict)
+    if is_mmpretrain_classifier(nested):
+        state_dict = from_mmpretrain(nested, model)
     sd = extract_state_dict(state_dict)
     for key in getattr(model, 'unused_official', ()):
         sd.pop(key, None)

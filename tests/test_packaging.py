@@ -33,7 +33,7 @@ def test_model_index_covers_every_config():
     assert listed == on_disk
     for m in models:
         assert m['Name'] == osp.splitext(osp.basename(m['Config']))[0]
-        assert m['Metadata']['Training Data'] in ('COCO', 'ADE20K')
+        assert m['Metadata']['Training Data'] in ('COCO', 'ADE20K', 'ImageNet-1k')
 
 
 def mim(*args, env=None, cwd=ROOT):

@@ -9,7 +9,7 @@ import flatten_mm
 from flatten_mm import registry
 
 
-@pytest.mark.parametrize('scope', ['mmdet', 'mmseg'])
+@pytest.mark.parametrize('scope', ['mmdet', 'mmseg', 'mmpretrain'])
 @pytest.mark.parametrize('cfg', [
     dict(type='FLattenPVT', arch='tiny'),
     dict(type='FLattenPVTv2', arch='b0'),
@@ -43,7 +43,7 @@ def test_each_library_is_optional(monkeypatch):
             raise ImportError('No module named mmseg')
         return real(name, *args, **kwargs)
     monkeypatch.setattr(registry.importlib, 'import_module', no_mmseg)
-    assert registry.register_openmmlab() == ['mmdet']
+    assert registry.register_openmmlab() == ['mmdet', 'mmpretrain']
 
 
 def test_version_and_exports():

@@ -11,6 +11,7 @@ MMENGINE_VERSION=0.10.7
 MMCV_VERSION=2.1.0
 MMDET_VERSION=3.3.0
 MMSEG_VERSION=1.2.2
+MMPRETRAIN_VERSION=1.2.0  # ImageNet pretraining configs
 TIMM_VERSION=1.0.31
 NUMPY_VERSION=2.4.6
 PYCOCOTOOLS_VERSION=2.0.11
@@ -45,7 +46,8 @@ log() { printf '[install] %s\n' "$*"; }
 # installed versions are checked against them at the end and on every later run
 PINS=(torch=$TORCH_VERSION torchvision=$TORCHVISION_VERSION numpy=$NUMPY_VERSION
       setuptools=$SETUPTOOLS_VERSION mmengine=$MMENGINE_VERSION mmcv=$MMCV_VERSION
-      mmdet=$MMDET_VERSION mmsegmentation=$MMSEG_VERSION timm=$TIMM_VERSION
+      mmdet=$MMDET_VERSION mmsegmentation=$MMSEG_VERSION mmpretrain=$MMPRETRAIN_VERSION
+      timm=$TIMM_VERSION
       pycocotools=$PYCOCOTOOLS_VERSION openmim=$OPENMIM_VERSION onnx=$ONNX_VERSION
       onnxscript=$ONNXSCRIPT_VERSION onnxruntime=$ONNXRUNTIME_VERSION)
 
@@ -146,6 +148,10 @@ log "mmdet $MMDET_VERSION, mmsegmentation $MMSEG_VERSION"
 $PIP install -q "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION" \
   "mmcv==$MMCV_VERSION" --find-links "$WHEEL_DIR"
 
+# mmpretrain's PyPI dependency `modelindex` is an empty shim over `model-index`
+log "mmpretrain $MMPRETRAIN_VERSION"
+$PIP install -q "mmpretrain==$MMPRETRAIN_VERSION" "mmcv==$MMCV_VERSION" --find-links "$WHEEL_DIR"
+
 # openmim without its download-only dependency (opendatalab pins old setuptools
 # and requests; mim's list, search, train and test commands do not use it)
 log "openmim $OPENMIM_VERSION"
@@ -165,6 +171,6 @@ log "flatten_mm (editable, setup.py develop)"
 (cd "$ROOT" && PYTHONWARNINGS=ignore "$VENV/bin/python" setup.py -q develop --no-deps \
   >/dev/null 2>&1) || { log "setup.py develop failed"; exit 1; }
 
-"$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, timm, mim, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'timm', timm.__version__)"
+"$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, mmpretrain, timm, mim, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'mmpretrain', mmpretrain.__version__, 'timm', timm.__version__)"
 report_pins || exit 1
 echo "$WANT" > "$STAMP"

@@ -12,6 +12,9 @@ shape tells the class. The truth is known exactly:
       ade/images/{training,validation}/NNNNN.jpg      ADE20K layout (links to images/)
       ade/annotations/{training,validation}/NNNNN.png semantic labels: 0 background,
                                                       1 circle, 2 square, 3 triangle
+      cls/{train,val}/{circle,square,triangle}/NNNNN.jpg
+                                                      classification (ImageFolder layout):
+                                                      one shape per image
 
 Usage: python tools/make_demo_data.py [OUT_DIR] [--train N] [--val N] [--size S]
 The output is deterministic for given arguments and seed.
@@ -115,6 +118,23 @@ def write_split(out_dir: str, split: str, ade_split: str, count: int, size: int,
     return len(images), len(annotations)
 
 
+def write_classification(out_dir: str, split: str, count: int, size: int, seed: int) -> int:
+    """``count`` images of one shape each, filed by class (ImageFolder layout)."""
+    rng = np.random.default_rng(seed)
+    for name in CLASSES:
+        os.makedirs(osp.join(out_dir, 'cls', split, name), exist_ok=True)
+    for idx in range(count):
+        label = idx % len(CLASSES)  # balanced classes
+        img = textured_background(rng, size)
+        m = draw_shape(rng, size, label)
+        colour = rng.uniform(0, 255, 3)
+        img = np.where(m[..., None] > 0, colour + rng.normal(0, 8, (size, size, 1)), img)
+        img = np.clip(img, 0, 255).astype(np.uint8)
+        cv2.imwrite(osp.join(out_dir, 'cls', split, CLASSES[label], f'{idx:05d}.jpg'),
+                    img[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 95])
+    return count
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('out_dir', nargs='?', default='data/shapes')
@@ -131,7 +151,9 @@ def main(argv=None):
     for split, ade, count, seed in (('train', 'training', args.train, args.seed),
                                     ('val', 'validation', args.val, args.seed + 1000003)):
         n_img, n_ann = write_split(args.out_dir, split, ade, count, args.size, seed)
-        print(f'{split}: {n_img} images, {n_ann} instances -> {args.out_dir}')
+        n_cls = write_classification(args.out_dir, split, count, args.size, seed + 7)
+        print(f'{split}: {n_img} images, {n_ann} instances, {n_cls} classification '
+              f'images -> {args.out_dir}')
 
 
 if __name__ == '__main__':

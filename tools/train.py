@@ -1,7 +1,9 @@
-"""Train a detector or segmenter from an mmdet / mmseg config.
+"""Train a detector, segmenter or ImageNet classifier from an mmdet / mmseg /
+mmpretrain config.
 
-One script for both: the config's ``default_scope`` (``mmdet`` or ``mmseg``,
-set by the upstream base configs) decides which library builds the model.
+One script for all: the config's ``default_scope`` (``mmdet``, ``mmseg`` or
+``mmpretrain``, set by the upstream base configs) decides which library builds
+the model.
 
     python tools/train.py CONFIG [--work-dir DIR] [--resume [CKPT]] [--amp]
                           [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi]

@@ -1,7 +1,8 @@
 # Mask R-CNN + FPN with FLatten-PVTv2-B2 on COCO, 1x (PVTv2's recipe: AdamW,
 # lr 2e-4, weight decay 1e-4).
 # No ImageNet weights were released for FLatten-PVTv2-B2 (only B0): pretrain
-# them with timm (flatten_pvt_v2_b2, see the README) and point init_cfg at the file.
+# them with flatten-pvtv2-b2_8xb128_in1k.py (see the README) and point init_cfg
+# at the result.
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
     'mmdet::_base_/datasets/coco_instance.py',

@@ -4,7 +4,7 @@ with timm's model interface.
 Each classifier *is* its dense backbone (a subclass) plus the released head,
 so both share every module, and the official parameter names load strictly.
 """
-from typing import Iterator, List, Optional, Set, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +37,42 @@ def take_indices(num_stages: int, indices: Optional[Union[int, List[int]]]) -> L
     return taken
 
 
+def to_mmpretrain(model: nn.Module) -> Dict[str, Tensor]:
+    """The state dict of the mmpretrain ``ImageClassifier`` equal to the
+    timm classifier ``model``: its dense backbone with ``out_indices=(3,)``
+    (``backbone.*``, the final norm as that backbone's output norm), a GAP
+    neck and a ``LinearClsHead`` (``head.fc.*``)."""
+    final = getattr(model, 'dense_final_norm', None)
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.startswith('head.'):
+            out['head.fc.' + key[len('head.'):]] = value
+        elif final and key.startswith('norm.'):
+            out[f'backbone.{final}.' + key[len('norm.'):]] = value
+        else:
+            out['backbone.' + key] = value
+    return out
+
+
+def is_mmpretrain_classifier(state_dict: dict) -> bool:
+    return 'head.fc.weight' in state_dict and any(k.startswith('backbone.') for k in state_dict)
+
+
+def from_mmpretrain(state_dict: Dict[str, Tensor], model: nn.Module) -> Dict[str, Tensor]:
+    """An mmpretrain ``ImageClassifier`` state dict (see :func:`to_mmpretrain`)
+    in the names of the timm classifier ``model``."""
+    final = getattr(model, 'dense_final_norm', None)
+    out = {}
+    for key, value in state_dict.items():
+        if key.startswith('head.fc.'):
+            out['head.' + key[len('head.fc.'):]] = value
+        elif final and key.startswith(f'backbone.{final}.'):
+            out['norm.' + key[len(f'backbone.{final}.'):]] = value
+        elif key.startswith('backbone.'):
+            out[key[len('backbone.'):]] = value
+    return out
+
+
 class ClassifierMixin:
     """Head, pooling and timm's classifier interface over ``stage_tokens``
     (each stage's tokens) and ``final_features`` (the unpooled features of
@@ -44,6 +80,8 @@ class ClassifierMixin:
     num_features: int
     head: nn.Module
     output_fmt: str = 'NCHW'
+    # the dense backbone's name for the final norm (None: the body has it, or none)
+    dense_final_norm: Optional[str] = None
 
     def _build_head(self, num_classes: int, global_pool: str = 'avg'):
         if global_pool not in ('avg', ''):
@@ -129,9 +167,11 @@ class ClassifierMixin:
         return taken
 
     def load_pretrained(self, path: str) -> None:
-        """timm's ``custom_load`` hook: load any released file through the
-        safe loader (``pretrained_cfg_overlay=dict(file=..., custom_load=True)``)."""
-        self.load_state_dict(extract_state_dict(load_checkpoint_file(path)))
+        """timm's ``custom_load`` hook: load any released file (or an
+        mmpretrain checkpoint) through the safe loader
+        (``pretrained_cfg_overlay=dict(file=..., custom_load=True)``)."""
+        from ..registry import checkpoint_filter_fn
+        self.load_state_dict(checkpoint_filter_fn(load_checkpoint_file(path), self))
 
 
 class FLattenPVTClassifier(ClassifierMixin, FLattenPVT):
@@ -194,6 +234,7 @@ class FLattenSwinClassifier(ClassifierMixin, FLattenSwin):
     """FLatten-Swin classifier: final LayerNorm, average pooling, head.
     Features are channels-last (NHWC), as timm's Swin gives them."""
     output_fmt = 'NHWC'
+    dense_final_norm = 'norm3'
 
     def __init__(self, arch: str = 'tiny', num_classes: int = 1000, global_pool: str = 'avg',
                  in_chans: int = 3, **kwargs):
@@ -231,6 +272,7 @@ class FLattenCSwinClassifier(ClassifierMixin, FLattenCSwin):
     """FLatten-CSwin classifier: final LayerNorm, average pooling, head.
     Features are channels-last (NHWC), as for FLatten-Swin."""
     output_fmt = 'NHWC'
+    dense_final_norm = 'norm3'
 
     def __init__(self, arch: str = 'tiny', num_classes: int = 1000, global_pool: str = 'avg',
                  in_chans: int = 3, **kwargs):

@@ -156,6 +156,29 @@ class WindowSoftmaxAttention(nn.Module):
         self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
+        self._register_load_state_dict_pre_hook(self._resize_bias_table)
+
+    def _resize_bias_table(self, state_dict, prefix, *args, **kwargs):
+        """Load pre-hook: a bias table learnt for another window (e.g. 7 for
+        the 224 model, fine-tuned at 384 with 12) is resized bicubically, as
+        Swin does; the index buffer is this window's own."""
+        key = f'{prefix}relative_position_bias_table'
+        table = state_dict.get(key)
+        own = self.relative_position_bias_table
+        if table is None or table.shape == own.shape or table.dim() != 2 \
+                or table.shape[1] != own.shape[1]:
+            return
+        side = int(round(table.shape[0] ** 0.5))
+        if side * side != table.shape[0]:
+            return  # not a square window: left for load_state_dict to report
+        wh, ww = self.window_size
+        grid = table.t().reshape(1, -1, side, side).float()
+        grid = F.interpolate(grid, size=(2 * wh - 1, 2 * ww - 1), mode='bicubic',
+                             align_corners=False)
+        state_dict[key] = grid.reshape(own.shape[1], -1).t().to(table.dtype)
+        index = f'{prefix}relative_position_index'
+        if index in state_dict:
+            state_dict[index] = self.relative_position_index
 
     def forward(self, x: Tensor, hw_shape: HWShape, offset: Tuple[int, int] = (0, 0)) -> Tensor:
         """

@@ -124,3 +124,24 @@ def test_bad_arguments(kwargs, match):
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_autocast_scaled_inputs_are_finite(dtype):
     assert_autocast_finite(small_swin(), dtype, torch.randn(1, 3, 64, 64) * 100)
+
+
+def test_bias_table_of_another_window_is_resized_on_load():
+    """A 224 model's softmax blocks (window 7) load into the 384 model's
+    (window 12): tables resized bicubically, as Swin fine-tunes at 384."""
+    kw = dict(embed_dims=16, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2])
+    small = FLattenSwin(**kw)
+    big = FLattenSwin(**kw, window_size=12, pretrain_img_size=384)
+    with torch.no_grad():  # a ramp along the row offset: entry i * 13 + j holds i
+        ramp = torch.arange(13).float().repeat_interleave(13)
+        small.layers[2].blocks[0].attn.relative_position_bias_table.copy_(
+            torch.stack([ramp, -ramp], 1))
+    big.load_state_dict(small.state_dict())
+    attn = big.layers[2].blocks[0].attn
+    got = attn.relative_position_bias_table.view(23, 23, 2)
+    assert got[11, 11, 0] == 6 and got[11, 11, 1] == -6  # the centre stays the centre
+    assert (got[1:, :, 0] >= got[:-1, :, 0] - 1e-4).all()  # still rising along rows
+    assert (got[:, 1:, 0] - got[:, :-1, 0]).abs().max() < 1e-4  # and flat along columns
+    assert torch.equal(attn.relative_position_index,
+                       FLattenSwin(**kw, window_size=12).layers[2].blocks[0]
+                       .attn.relative_position_index)
