@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint with an mmdet / mmseg config.
+"""Evaluate a checkpoint with an mmdet / mmseg / mmpretrain config.
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--show-dir DIR]
                          [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi]
@@ -31,6 +31,9 @@ def main(argv=None):
         raise SystemExit(f'checkpoint not found: {args.checkpoint}')
     cfg.load_from = args.checkpoint
     add_hooks(cfg, 'EmptyDatasetHook')
+    if args.show_dir and cfg.get('default_scope') not in ('mmdet', 'mmseg'):
+        raise SystemExit(f"--show-dir draws detections and segmentations; "
+                         f"{args.config} is a {cfg.get('default_scope')} config")
     if args.show_dir:
         is_det = cfg.get('default_scope') == 'mmdet'
         if 'visualization' not in cfg.default_hooks:

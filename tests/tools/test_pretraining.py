@@ -1,7 +1,7 @@
 """ImageNet-style pretraining with mmpretrain, end to end on CPU: our
 ImageNet config trains on the shapes classification split, evaluates top-1,
 and its checkpoint initialises a detector's backbone."""
-import glob
+import json
 import os.path as osp
 import re
 
@@ -39,6 +39,10 @@ def test_pretrain_then_initialise_the_demo_detector(shapes, tmp_path):
     assert 0 <= top1 <= 100
     ckpt = osp.join(work, 'epoch_2.pth')
     state = load_checkpoint_file(ckpt)['state_dict']
+    metrics = str(tmp_path / 'metrics.json')
+    run(osp.join(ROOT, 'tools/test.py'), CLS, ckpt, '--work-dir', str(tmp_path / 'test'),
+        '--metrics-out', metrics, *cls_options(shapes), cwd=ROOT)
+    assert json.load(open(metrics))['accuracy/top1'] == top1  # the same weights, the same split
     assert {k.split('.')[0] for k in state} == {'backbone', 'head'}
 
     # the pretrained backbone initialises the demo detector's: nothing missing or
