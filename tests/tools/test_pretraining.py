@@ -42,7 +42,8 @@ def test_pretrain_then_initialise_the_demo_detector(shapes, tmp_path):
     metrics = str(tmp_path / 'metrics.json')
     run(osp.join(ROOT, 'tools/test.py'), CLS, ckpt, '--work-dir', str(tmp_path / 'test'),
         '--metrics-out', metrics, *cls_options(shapes), cwd=ROOT)
-    assert json.load(open(metrics))['accuracy/top1'] == top1  # the same weights, the same split
+    # the same weights on the same split (the log rounds to 4 decimals)
+    assert abs(json.load(open(metrics))['accuracy/top1'] - top1) < 1e-3
     assert {k.split('.')[0] for k in state} == {'backbone', 'head'}
 
     # the pretrained backbone initialises the demo detector's: nothing missing or
