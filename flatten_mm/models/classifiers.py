@@ -6,10 +6,9 @@ so both share every module, and the official parameter names load strictly.
 """
 from typing import Dict, Iterator, List, Optional, Set, Tuple, Union
 
-import torch
 from torch import Tensor, nn
 
-from ..checkpoint import extract_state_dict, load_checkpoint_file
+from ..checkpoint import load_checkpoint_file
 from .attention import HWShape
 from .layers import stage_output
 from .backbones.flatten_cswin import FLattenCSwin
@@ -230,9 +229,11 @@ class FLattenPVTv2Classifier(FLattenPVTClassifier):
         return f'norm{i + 1}'  # the stage's output is after its norm
 
 
-class FLattenSwinClassifier(ClassifierMixin, FLattenSwin):
-    """FLatten-Swin classifier: final LayerNorm, average pooling, head.
-    Features are channels-last (NHWC), as timm's Swin gives them."""
+class FinalNormClassifierMixin(ClassifierMixin):
+    """The classifiers of the Swin-like backbones: a final LayerNorm (the
+    dense backbone's last output norm, ``norm3``), average pooling, head.
+    Features are channels-last (NHWC), as timm's Swin gives them; the stage
+    outputs (features_only, forward_intermediates) are not normalised."""
     output_fmt = 'NHWC'
     dense_final_norm = 'norm3'
 
@@ -244,49 +245,7 @@ class FLattenSwinClassifier(ClassifierMixin, FLattenSwin):
         self.default_init()
 
     def _add_output_norms(self, out_indices):
-        pass  # the classifier's stage outputs are not normalised (timm features too)
-
-    @staticmethod
-    def stage_name(i: int) -> str:
-        return f'layers.{i}'
-
-    def stage_tokens(self, x: Tensor, last: int) -> Iterator[Tuple[int, Tensor, HWShape]]:
-        """Yield (stage index, tokens (B, N, C), grid) for stages 0..last,
-        before each patch merging."""
-        for i, tokens, hw_shape in self.forward_stages(x):
-            yield i, tokens, hw_shape
-            if i == last:
-                return
-
-    def final_features(self, tokens: Tensor, hw_shape: HWShape, norm: bool = True) -> Tensor:
-        if norm:
-            tokens = self.norm(tokens)
-        return tokens.view(tokens.shape[0], hw_shape[0], hw_shape[1], -1)
-
-    def drop_stages_after(self, last: int):
-        self.layers = self.layers[:last + 1]
-        self.layers[last].downsample = None
-
-
-class FLattenCSwinClassifier(ClassifierMixin, FLattenCSwin):
-    """FLatten-CSwin classifier: final LayerNorm, average pooling, head.
-    Features are channels-last (NHWC), as for FLatten-Swin."""
-    output_fmt = 'NHWC'
-    dense_final_norm = 'norm3'
-
-    def __init__(self, arch: str = 'tiny', num_classes: int = 1000, global_pool: str = 'avg',
-                 in_chans: int = 3, **kwargs):
-        super().__init__(arch=arch, in_channels=in_chans, **kwargs)
-        self.norm = nn.LayerNorm(self.embed_dims[-1])
-        self._build_head(num_classes, global_pool)
-        self.default_init()
-
-    def _add_output_norms(self, out_indices):
-        pass  # the classifier's stage outputs are not normalised
-
-    @staticmethod
-    def stage_name(i: int) -> str:
-        return f'stage{i + 1}'
+        pass  # one final norm instead
 
     def stage_tokens(self, x: Tensor, last: int) -> Iterator[Tuple[int, Tensor, HWShape]]:
         """Yield (stage index, tokens (B, N, C), grid) for stages 0..last."""
@@ -299,6 +258,26 @@ class FLattenCSwinClassifier(ClassifierMixin, FLattenCSwin):
         if norm:
             tokens = self.norm(tokens)
         return tokens.view(tokens.shape[0], hw_shape[0], hw_shape[1], -1)
+
+
+class FLattenSwinClassifier(FinalNormClassifierMixin, FLattenSwin):
+    """FLatten-Swin classifier (see :class:`FinalNormClassifierMixin`)."""
+
+    @staticmethod
+    def stage_name(i: int) -> str:
+        return f'layers.{i}'
+
+    def drop_stages_after(self, last: int):
+        self.layers = self.layers[:last + 1]
+        self.layers[last].downsample = None
+
+
+class FLattenCSwinClassifier(FinalNormClassifierMixin, FLattenCSwin):
+    """FLatten-CSwin classifier (see :class:`FinalNormClassifierMixin`)."""
+
+    @staticmethod
+    def stage_name(i: int) -> str:
+        return f'stage{i + 1}'
 
     def drop_stages_after(self, last: int):
         for i in range(last + 1, self.num_stages):

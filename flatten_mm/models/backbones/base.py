@@ -1,14 +1,16 @@
 """What every FLatten backbone shares: pretrained loading, stage freezing,
 norm_eval, gradient checkpointing and the default initialisation."""
 import math
-from typing import List, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch.utils.checkpoint as cp
 from mmengine.model import BaseModule
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...checkpoint import load_pretrained
+from ..attention import HWShape, check_positive_int, to_2tuple_checked
+from ..layers import check_attn_type, check_images, check_stage_list, stage_output
 
 
 class FLattenBackbone(BaseModule):
@@ -125,3 +127,62 @@ class FLattenBackbone(BaseModule):
                 nn.init.normal_(m.weight, 0, math.sqrt(2.0 / fan_out))
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+
+
+class DoublingBackbone(FLattenBackbone):
+    """Base of the Swin-like backbones (FLatten-Swin, FLatten-CSwin): C, 2C,
+    4C, 8C channels, stages yielded by :meth:`forward_stages`, a LayerNorm
+    on each dense output (``norm{i}``; the classifiers have one final norm
+    instead, named ``norm`` in the released files)."""
+    ignore_unexpected = (r'head\.', r'norm\.')  # the classifier's head and final norm
+    ignore_missing = (r'norm\d\.',)  # the LayerNorm on each dense output
+
+    def _stage_settings(self, arch: str, embed_dims: Optional[int], depths, num_heads,
+                        attn_type: str, pretrain_img_size) -> Tuple[list, list, list, HWShape]:
+        """Validated (dims, depths, num_heads, pretraining size) of ``arch``
+        with the overrides; sets ``arch``, ``embed_dims``, ``attn_type`` and
+        ``num_stages``."""
+        preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
+                                    num_heads=num_heads)
+        base_dims = check_positive_int('embed_dims', preset['embed_dims'])
+        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
+        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
+        dims = [base_dims * 2 ** i for i in range(4)]
+        for d, h in zip(dims, num_heads):
+            if d % h:
+                raise ValueError(f'stage dims {dims} must be divisible by num_heads '
+                                 f'{num_heads} stage by stage')
+        self.arch = arch
+        self.embed_dims = dims
+        self.attn_type = check_attn_type(attn_type, 4)
+        self.num_stages = 4
+        return dims, depths, num_heads, to_2tuple_checked('pretrain_img_size', pretrain_img_size)
+
+    def _add_output_norms(self, out_indices):
+        for i in out_indices:
+            if isinstance(i, int) and 0 <= i < 4:
+                setattr(self, f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
+
+    def forward_stages(self, x: Tensor) -> Iterator[Tuple[int, Tensor, HWShape]]:
+        """Yield (stage index, tokens (B, N, C), grid) of each stage."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        """
+        Args:
+            x (Tensor): images (B, C, H, W), any H and W.
+
+        Returns:
+            tuple[Tensor]: LayerNorm-ed feature maps (B, C_i, ceil(H / s_i),
+            ceil(W / s_i)) at strides s_i = 4, 8, 16, 32 for the stages in
+            ``out_indices``.
+        """
+        x = check_images(x)
+        outs = []
+        for i, tokens, hw_shape in self.forward_stages(x):
+            if i in self.out_indices:
+                norm = getattr(self, f'norm{i}', None)
+                if norm is not None:
+                    tokens = norm(tokens)
+                outs.append(stage_output(tokens, hw_shape))
+        return tuple(outs)

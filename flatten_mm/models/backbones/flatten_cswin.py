@@ -22,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import (FocusedLinearAttention, HWShape, check_positive_int, map_to_tokens,
-                         to_2tuple_checked, tokens_to_map)
-from ..layers import (DropPath, Mlp, check_attn_type, check_images, check_stage_list,
-                      drop_path_rates, stage_output, window_merge, window_partition)
-from .base import FLattenBackbone
+from ..attention import FocusedLinearAttention, HWShape, map_to_tokens, tokens_to_map
+from ..layers import (DropPath, Mlp, check_stage_list, drop_path_rates, window_merge,
+                      window_partition)
+from .base import DoublingBackbone
 
 
 class LePEAttention(nn.Module):
@@ -182,7 +181,7 @@ class MergeBlock(nn.Module):
         return self.norm(map_to_tokens(x)), (x.shape[2], x.shape[3])
 
 
-class FLattenCSwin(FLattenBackbone):
+class FLattenCSwin(DoublingBackbone):
     """FLatten-CSwin: CSWin Transformer with focused linear attention.
 
     Args:
@@ -212,8 +211,6 @@ class FLattenCSwin(FLattenBackbone):
             the first k stages (with their merge blocks). Default: -1.
         norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
     """
-    ignore_unexpected = (r'head\.', r'norm\.')  # the classifier's head and final norm
-    ignore_missing = (r'norm\d\.',)  # the LayerNorm on each dense output
     arch_zoo = {
         'tiny': dict(embed_dims=64, depths=[2, 4, 18, 1], num_heads=[2, 4, 8, 16]),
         'small': dict(embed_dims=64, depths=[2, 4, 32, 2], num_heads=[2, 4, 8, 16]),
@@ -242,25 +239,12 @@ class FLattenCSwin(FLattenBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None):
         super().__init__(init_cfg=init_cfg)
-        preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
-                                    num_heads=num_heads)
-        base_dims = check_positive_int('embed_dims', preset['embed_dims'])
-        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
-        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
+        dims, depths, num_heads, img = self._stage_settings(
+            arch, embed_dims, depths, num_heads, attn_type, pretrain_img_size)
+        attn_type = self.attn_type
         split_size = check_stage_list('split_size', split_size, 4, positive_ints=True)
-        attn_type = check_attn_type(attn_type, 4)
-        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
-        dims = [base_dims * 2 ** i for i in range(4)]
-        for d, h in zip(dims, num_heads):
-            if d % h:
-                raise ValueError(f'stage dims {dims} must be divisible by num_heads '
-                                 f'{num_heads} stage by stage')
-        self.arch = arch
-        self.embed_dims = dims
-        self.attn_type = attn_type
-        self.num_stages = 4
 
-        self.stage1_conv_embed = ConvStem(in_channels, base_dims)
+        self.stage1_conv_embed = ConvStem(in_channels, dims[0])
         dpr = drop_path_rates(drop_path_rate, sum(depths))
         for i in range(4):
             grid = (img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i))
@@ -282,11 +266,6 @@ class FLattenCSwin(FLattenBackbone):
         self._add_output_norms(out_indices)
         self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
 
-    def _add_output_norms(self, out_indices):
-        for i in out_indices:
-            if isinstance(i, int) and 0 <= i < 4:
-                setattr(self, f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
-
     def stem_modules(self) -> List[nn.Module]:
         return [self.stage1_conv_embed]
 
@@ -303,23 +282,3 @@ class FLattenCSwin(FLattenBackbone):
             for block in getattr(self, f'stage{i + 1}'):
                 x = self.run_block(block, x, hw_shape)
             yield i, x, hw_shape
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
-        """
-        Args:
-            x (Tensor): images (B, C, H, W), any H and W.
-
-        Returns:
-            tuple[Tensor]: LayerNorm-ed feature maps (B, C_i, ceil(H / s_i),
-            ceil(W / s_i)) at strides s_i = 4, 8, 16, 32 for the stages in
-            ``out_indices``.
-        """
-        x = check_images(x)
-        outs = []
-        for i, tokens, hw_shape in self.forward_stages(x):
-            if i in self.out_indices:
-                norm = getattr(self, f'norm{i}', None)
-                if norm is not None:
-                    tokens = norm(tokens)
-                outs.append(stage_output(tokens, hw_shape))
-        return tuple(outs)

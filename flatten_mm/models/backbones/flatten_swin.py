@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import FocusedLinearAttention, HWShape, check_positive_int, to_2tuple_checked
-from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, check_attn_type, check_images,
-                      check_stage_list, drop_path_rates, stage_output, window_merge,
+from ..attention import FocusedLinearAttention, HWShape, to_2tuple_checked
+from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, drop_path_rates, window_merge,
                       window_partition)
-from .base import FLattenBackbone
+from .base import DoublingBackbone
 from .flatten_pvt import PatchEmbed
 
 
@@ -114,7 +113,7 @@ class SwinStage(nn.Module):
         self.downsample = downsample
 
 
-class FLattenSwin(FLattenBackbone):
+class FLattenSwin(DoublingBackbone):
     """FLatten-Swin: Swin Transformer with focused linear attention.
 
     Args:
@@ -143,8 +142,6 @@ class FLattenSwin(FLattenBackbone):
             embedding and the first k stages. Default: -1.
         norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
     """
-    ignore_unexpected = (r'head\.', r'norm\.')  # the classifier's head and final norm
-    ignore_missing = (r'norm\d\.',)  # the LayerNorm on each dense output
     arch_zoo = {
         'tiny': dict(embed_dims=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24]),
         'small': dict(embed_dims=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24]),
@@ -174,27 +171,14 @@ class FLattenSwin(FLattenBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None):
         super().__init__(init_cfg=init_cfg)
-        preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
-                                    num_heads=num_heads)
-        base_dims = check_positive_int('embed_dims', preset['embed_dims'])
-        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
-        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
-        attn_type = check_attn_type(attn_type, 4)
+        dims, depths, num_heads, img = self._stage_settings(
+            arch, embed_dims, depths, num_heads, attn_type, pretrain_img_size)
+        attn_type = self.attn_type
         window = to_2tuple_checked('window_size', window_size)
         lin_window = None if linear_window is None else \
             to_2tuple_checked('linear_window', linear_window)
-        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
-        dims = [base_dims * 2 ** i for i in range(4)]
-        for d, h in zip(dims, num_heads):
-            if d % h:
-                raise ValueError(f'stage dims {dims} must be divisible by num_heads '
-                                 f'{num_heads} stage by stage')
-        self.arch = arch
-        self.embed_dims = dims
-        self.attn_type = attn_type
-        self.num_stages = 4
 
-        self.patch_embed = PatchEmbed(in_channels, base_dims, 4, 4)
+        self.patch_embed = PatchEmbed(in_channels, dims[0], 4, 4)
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = drop_path_rates(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList()
@@ -212,11 +196,6 @@ class FLattenSwin(FLattenBackbone):
         self._add_output_norms(out_indices)
         self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
 
-    def _add_output_norms(self, out_indices):
-        for i in out_indices:
-            if isinstance(i, int) and 0 <= i < 4:
-                setattr(self, f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
-
     def stem_modules(self) -> List[nn.Module]:
         return [self.patch_embed]
 
@@ -233,22 +212,3 @@ class FLattenSwin(FLattenBackbone):
             yield i, x, hw_shape
             if stage.downsample is not None:
                 x, hw_shape = stage.downsample(x, hw_shape)
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
-        """
-        Args:
-            x (Tensor): images (B, C, H, W), any H and W.
-
-        Returns:
-            tuple[Tensor]: LayerNorm-ed feature maps at strides 4, 8, 16, 32
-            for the stages in ``out_indices``.
-        """
-        x = check_images(x)
-        outs = []
-        for i, tokens, hw_shape in self.forward_stages(x):
-            if i in self.out_indices:
-                norm = getattr(self, f'norm{i}', None)
-                if norm is not None:
-                    tokens = norm(tokens)
-                outs.append(stage_output(tokens, hw_shape))
-        return tuple(outs)
