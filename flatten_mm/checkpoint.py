@@ -188,17 +188,23 @@ def _strip(key: str, prefix: str) -> str:
     return key[len(prefix):] if key.startswith(prefix) else key
 
 
+def unwrap_state_dict(checkpoint):
+    """The state dict a loaded checkpoint nests under one of ``STATE_DICT_KEYS``
+    (``'model'`` for the release, ``'state_dict'`` for mmengine), or the
+    checkpoint itself."""
+    if isinstance(checkpoint, dict):
+        for key in STATE_DICT_KEYS:
+            if isinstance(checkpoint.get(key), dict):
+                return checkpoint[key]
+    return checkpoint
+
+
 def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:
     """The tensors of a model from a loaded checkpoint: ``checkpoint['model']``
     (the FLatten release), ``['state_dict']`` (mmengine) or the dict itself,
     with ``module.`` / ``backbone.`` prefixes removed. Of a whole detector or
     segmenter (keys ``backbone.*``, ``neck.*``, ...) only the backbone is kept."""
-    sd = checkpoint
-    if isinstance(sd, dict):
-        for key in STATE_DICT_KEYS:
-            if isinstance(sd.get(key), dict):
-                sd = sd[key]
-                break
+    sd = unwrap_state_dict(checkpoint)
     if not isinstance(sd, dict):
         raise ValueError(f'checkpoint holds no state dict (got {type(checkpoint).__name__})')
     # DDP's wrapper prefix, then, of a whole detector or segmenter, the backbone

@@ -72,10 +72,9 @@ def checkpoint_filter_fn(state_dict: dict, model) -> dict:
     names are ours, and the fused Swin ``qkv`` is split when the model loads it.
     An mmpretrain classifier's checkpoint (``backbone.*``, ``head.fc.*``) is
     renamed to ours."""
-    from .checkpoint import STATE_DICT_KEYS, extract_state_dict
+    from .checkpoint import extract_state_dict, unwrap_state_dict
     from .models.classifiers import from_mmpretrain, is_mmpretrain_classifier
-    nested = next((state_dict[k] for k in STATE_DICT_KEYS
-                   if isinstance(state_dict.get(k), dict)), state_dict)
+    nested = unwrap_state_dict(state_dict)
     if is_mmpretrain_classifier(nested):
         state_dict = from_mmpretrain(nested, model)
     sd = extract_state_dict(state_dict)

@@ -137,10 +137,9 @@ class CSwinBlock(nn.Module):
             return self.attns[0](x, hw_shape)
         B, N, C = x.shape
         H, W = hw_shape
-        qkv = self.qkv(x).view(B, H, W, 3, C)
         parts = len(self.attns)
         # branch b takes the b-th channel slice of each of q, k and v
-        qkv = qkv.view(B, H, W, 3, parts, C // parts)
+        qkv = self.qkv(x).view(B, H, W, 3, parts, C // parts)
         out = torch.cat([branch(qkv[:, :, :, :, b].reshape(B, H, W, 3 * C // parts))
                          for b, branch in enumerate(self.attns)], dim=-1)
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
