@@ -1,5 +1,5 @@
 # Semantic FPN with FLatten-PVT-S on ADE20K. No ImageNet weights were released
-# for FLatten-PVT-S: pretrain them with flatten-pvt-s_8xb128_in1k.py (see the
-# README) and point init_cfg at the result.
+# for FLatten-PVT-S: pretrain them with flatten-pvt-s_8xb128_in1k.py (see
+# docs/pretraining.md) and point init_cfg at the result.
 _base_ = './fpn_flatten-pvt-t_4xb4-80k_ade20k-512x512.py'
 model = dict(backbone=dict(arch='small', init_cfg=None))

@@ -1,6 +1,6 @@
 # RetinaNet + FPN with FLatten-PVT-S on COCO, 1x.
 # No ImageNet weights were released for FLatten-PVT-S: pretrain them with
-# flatten-pvt-s_8xb128_in1k.py (see the README) and point init_cfg
+# flatten-pvt-s_8xb128_in1k.py (see docs/pretraining.md) and point init_cfg
 # at the result.
 _base_ = './retinanet_flatten-pvt-t_fpn_1x_coco.py'
 model = dict(backbone=dict(arch='small', init_cfg=None))

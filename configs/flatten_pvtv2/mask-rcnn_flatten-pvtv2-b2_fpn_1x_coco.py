@@ -1,7 +1,7 @@
 # Mask R-CNN + FPN with FLatten-PVTv2-B2 on COCO, 1x (PVTv2's recipe: AdamW,
 # lr 2e-4, weight decay 1e-4).
 # No ImageNet weights were released for FLatten-PVTv2-B2 (only B0): pretrain
-# them with flatten-pvtv2-b2_8xb128_in1k.py (see the README) and point init_cfg
+# them with flatten-pvtv2-b2_8xb128_in1k.py (see docs/pretraining.md) and point init_cfg
 # at the result.
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
