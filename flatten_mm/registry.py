@@ -125,7 +125,7 @@ def register_fx_leaves() -> None:
     core's hand-written autograd). Everything between them is traced."""
     from timm.layers import register_notrace_function, register_notrace_module
 
-    from .models.attention import FocusedLinearAttention, resize_tokens
+    from .models.attention import FocusedLinearAttention, add_resized, resize_parts
     from .models.backbones.flatten_cswin import ConvStem, CSwinBlock
     from .models.backbones.flatten_pvt import PatchEmbed
     from .models.backbones.flatten_swin import PatchMerging, SwinBlock
@@ -133,5 +133,5 @@ def register_fx_leaves() -> None:
     for module in (PatchEmbed, FocusedLinearAttention, SpatialReductionAttention,
                    SwinBlock, PatchMerging, ConvStem, CSwinBlock):
         register_notrace_module(module)
-    for function in (resize_tokens, check_images):
+    for function in (resize_parts, add_resized, check_images):
         register_notrace_function(function)

@@ -7,12 +7,14 @@ benchmarked on a machine without mmcv, mmdet or mmseg.
 Notation: x is (B, N, C) on an H x W grid, h heads of d = C / h channels,
 n keys (n = N, or fewer with spatial reduction).
 """
+import collections
 import functools
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .ops import EPS, DepthwiseConvFn, FocusedLinearAttentionFn
 
@@ -111,29 +113,94 @@ def linear_resize_taps(src: int, dst: int) -> Tuple[List[int], List[int], List[f
     return lo, hi, frac
 
 
-def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
-    """Resize (B, h*w, C) tokens laid on ``src`` to ``dst`` (bilinear,
-    ``align_corners=False``) on the token layout, one axis at a time: two row
-    gathers and a ``lerp`` per axis, whose backward is an ``index_add``
-    (``F.interpolate``'s CPU backward is a slow scatter, and a dense resize
-    matrix spends a GEMM on weights that are almost all zero)."""
-    if tuple(src) == tuple(dst):
-        return tokens
+@functools.lru_cache(maxsize=256)
+def linear_resize_weights(src: int, dst: int) -> Tuple[float, ...]:
+    """The (dst, src) matrix of :func:`linear_resize_taps`, row-major: at
+    most two non-zero weights per row, ``1 - frac`` and ``frac``."""
+    lo, hi, frac = linear_resize_taps(src, dst)
+    weights = [0.0] * (dst * src)
+    for i, (a, b, f) in enumerate(zip(lo, hi, frac)):
+        weights[i * src + a] += 1.0 - f
+        weights[i * src + b] += f
+    return tuple(weights)
+
+
+def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
+    """(dst, src) linear-resize weights as a tensor of ``like``'s dtype and device."""
+    # dynamo traces through the cache anyway (and warns): call the plain function
+    weights = (linear_resize_weights.__wrapped__ if torch.compiler.is_compiling()
+               else linear_resize_weights)
+    return torch.tensor(weights(src, dst), dtype=like.dtype, device=like.device).view(dst, src)
+
+
+def resize_parts(tokens: Tensor, src: HWShape, dst: HWShape) -> Tuple[Optional[Tensor], Tensor]:
+    """Bilinear resizing of (B, h*w, C) tokens from ``src`` to ``dst`` in two
+    factors: the tokens resized along columns, G (B, h, W*C), and the row
+    weights R (H, h), None when the rows keep their number. The resized
+    tokens are ``R @ G``; G is small (h rows), so a caller can add ``R @ G``
+    to a full-size tensor in one pass without making it (:func:`add_resized`)."""
     B, _, C = tokens.shape
     grid = tokens.reshape(B, src[0], src[1], C)
-    for dim, size in ((2, dst[1]), (1, dst[0])):  # columns, then rows
-        if grid.shape[dim] != size:
-            # dynamo traces through the cache anyway (and warns): call the plain function
-            taps = (linear_resize_taps.__wrapped__ if torch.compiler.is_compiling()
-                    else linear_resize_taps)
-            lo, hi, frac = taps(grid.shape[dim], size)
-            shape = [1, 1, 1, 1]
-            shape[dim] = size
-            device = grid.device
-            grid = torch.lerp(grid.index_select(dim, torch.tensor(lo, device=device)),
-                              grid.index_select(dim, torch.tensor(hi, device=device)),
-                              torch.tensor(frac, dtype=grid.dtype, device=device).view(shape))
-    return grid.reshape(B, dst[0] * dst[1], C)
+    if src[1] != dst[1]:
+        grid = torch.matmul(resize_matrix(src[1], dst[1], tokens), grid)  # (B, h, W, C)
+    rows = None if src[0] == dst[0] else resize_matrix(src[0], dst[0], tokens)
+    return rows, grid.reshape(B, src[0], dst[1] * C)
+
+
+def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
+    """Resize (B, h*w, C) tokens laid on ``src`` to ``dst`` (bilinear,
+    ``align_corners=False``, as ``F.interpolate``) on the token layout: one
+    small product per axis with the resize weights, whose backward is the
+    transposed product (``F.interpolate``'s CPU backward is a slow scatter)."""
+    if tuple(src) == tuple(dst):
+        return tokens
+    rows, cols = resize_parts(tokens, src, dst)
+    out = cols if rows is None else torch.matmul(rows, cols)
+    return out.reshape(tokens.shape[0], dst[0] * dst[1], tokens.shape[-1])
+
+
+def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
+                inplace: bool = False) -> Tensor:
+    """``x + R @ G`` for ``parts = resize_parts(...)`` and x (B, H*W, C), in
+    place or not: the resized tokens themselves are never made (one pass over
+    x instead of three)."""
+    rows, cols = parts
+    B = x.shape[0]
+    cols = cols.to(x.dtype)  # x may be half (autocast): the parts follow it
+    x3 = x.view(B, -1, cols.shape[-1])
+    if rows is None:
+        out = x3.add_(cols) if inplace else x3 + cols
+    else:
+        args = (rows.to(x.dtype).expand(B, -1, -1), cols.expand(B, -1, -1))
+        out = x3.baddbmm_(*args) if inplace else torch.baddbmm(x3, *args)
+    return out.view(x.shape)
+
+
+def eval_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] = ()):
+    """``make()``, computed once per ``key`` while ``module`` is in eval mode
+    and no gradient is recorded (inference), else every call.
+
+    For what depends only on the input size and on ``params`` (resized
+    positional encodings, masks, window layouts); the parameters' storage and
+    version counters are part of the key, so loading weights, an optimizer
+    step or ``.to()`` invalidate an entry. The last four keys are kept;
+    switching to training mode drops them.
+    """
+    if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling() \
+            or torch.jit.is_tracing() or is_fx_symbolic_tracing():
+        if module.training:
+            module.__dict__.pop('_eval_cache', None)
+        return make()
+    full = (key, torch.is_inference_mode_enabled()) + tuple(
+        (p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+    cache = module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
+    if full in cache:
+        cache.move_to_end(full)
+        return cache[full]
+    value = cache[full] = make()
+    while len(cache) > 4:
+        cache.popitem(last=False)
+    return value
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
@@ -284,6 +351,13 @@ class FocusedLinearAttention(nn.Module):
         """The positional encoding resized to a key grid, (1, h*w, C)."""
         return resize_tokens(self.positional_encoding, self.pos_grid, grid)
 
+    def add_positional_encoding_(self, k: Tensor, grid: HWShape) -> Tensor:
+        """k (B, h*w, C) plus the positional encoding resized to ``grid``, in place."""
+        pe = self.positional_encoding
+        parts = eval_cached(self, ('pe', tuple(grid)),
+                            lambda: resize_parts(pe, self.pos_grid, grid), (pe,))
+        return add_resized(k, parts, inplace=True)
+
     def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:
         """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid.
 
@@ -300,7 +374,7 @@ class FocusedLinearAttention(nn.Module):
         w, b = self.kv.weight, self.kv.bias
         k = F.linear(x, w[:C], None if b is None else b[:C])
         v = F.linear(x, w[C:], None if b is None else b[C:])
-        k = k.add_(self.positional_encoding_for(grid))
+        k = self.add_positional_encoding_(k, grid)
         return q, k, v, grid
 
     def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:

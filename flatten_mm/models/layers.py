@@ -5,9 +5,11 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .attention import (HWShape, add_projections, check_positive_int, map_to_tokens,
                         spatial_reduce, tokens_to_map)
+from .ops import TokenMlpFn, mlp_chunk_rows
 
 ATTN_TYPES = ('L', 'S')
 
@@ -56,18 +58,21 @@ def stage_output(x: Tensor, hw_shape: HWShape) -> Tensor:
 
 
 class DropPath(nn.Module):
-    """Stochastic depth: drops whole residual branches per sample in training."""
+    """Stochastic depth: drops whole residual branches per sample in training.
+
+    ``drop_path(x, residual)`` is ``residual + drop_path(x)`` in one pass
+    (``addcmul`` with the per-sample scale) instead of three."""
 
     def __init__(self, drop_prob: float = 0.):
         super().__init__()
         self.drop_prob = drop_prob
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
         if not self.training or self.drop_prob == 0.:
-            return x
+            return x if residual is None else residual + x
         keep = 1 - self.drop_prob
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
-        return x * mask / keep
+        scale = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
+        return x * scale if residual is None else torch.addcmul(residual, x, scale)
 
     def extra_repr(self) -> str:
         return f'drop_prob={self.drop_prob}'
@@ -87,11 +92,28 @@ class Mlp(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x: Tensor, hw_shape: Optional[HWShape] = None) -> Tensor:
+        if self._chunked(x):
+            return TokenMlpFn.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight,
+                                    self.fc2.bias, mlp_chunk_rows(self.fc1.out_features))
         x = self.fc1(x)
         if hasattr(self, 'dwconv'):
             x = self.dwconv(x, hw_shape)
         x = self.drop(self.act(x))
         return self.drop(self.fc2(x))
+
+
+    def _chunked(self, x: Tensor) -> bool:
+        """Whether :class:`TokenMlpFn` runs this MLP: on CPU, in the input's
+        own dtype, with nothing between fc1 and fc2 but the GELU (no depth-wise
+        conv, no dropout at work), outside tracing and compiling (which see
+        the plain ops)."""
+        if torch.compiler.is_compiling() or is_fx_symbolic_tracing() or torch.jit.is_tracing():
+            return False
+        return (x.device.type == 'cpu' and not hasattr(self, 'dwconv')
+                and (self.drop.p == 0 or not self.training)
+                and type(self.act) is nn.GELU and self.act.approximate == 'none'
+                and x.dtype == self.fc1.weight.dtype
+                and not torch.is_autocast_enabled('cpu'))
 
 
 class DWConv(nn.Module):

@@ -48,27 +48,30 @@ def block_diagonal(m: Tensor) -> Tensor:
 
 
 def heads_mm(x: Tensor, m: Tensor) -> Tensor:
-    """Per-head ``x_h @ m_h``: x (B, N, h*d), m (B, h, d, e) -> (B, N, h*e).
+    """Per-head ``x_h @ m_h``: x (B, N, h*d), m (B, h, d, e) -> (B, N, h*e), a new tensor.
 
-    Two heads run as one product with the block-diagonal matrix: twice the
-    multiply-adds, but no permute copies in and out of a per-head layout
-    (5.7 against 10.0 ms for 16700 tokens of 2x64 channels on 2 CPU cores;
-    with 5 heads the per-head products win, 3.1 against 5.7 ms).
+    One product per head on strided column slices, written into its slice of
+    the output: no permuted copies of x or of the result (an einsum makes
+    both, i.e. two more (B, N, C) buffers per call).
     """
     B, N, _ = x.shape
     h, d, e = m.shape[1:]
-    if h <= 2:
-        return torch.bmm(x, block_diagonal(m))
-    return torch.einsum('bnhd,bhde->bnhe', x.view(B, N, h, d), m).reshape(B, N, h * e)
+    if h == 1:
+        return torch.bmm(x, m[:, 0])
+    if torch.compiler.is_compiling():  # compilers take no strided out=: the functional form
+        return torch.einsum('bnhd,bhde->bnhe', x.view(B, N, h, d), m).reshape(B, N, h * e)
+    out = x.new_empty(B, N, h * e)
+    for i in range(h):
+        torch.bmm(x[..., i * d:(i + 1) * d], m[:, i], out=out[..., i * e:(i + 1) * e])
+    return out
 
 
 def heads_outer(x: Tensor, y: Tensor, num_heads: int) -> Tensor:
-    """Per-head ``x_h^T @ y_h`` summed over tokens: (B, n, h*d), (B, n, h*e) -> (B, h, d, e)."""
-    B, n, C = x.shape
-    if num_heads == 1:
-        return torch.bmm(x.transpose(1, 2), y).unsqueeze(1)
-    return torch.einsum('bnhd,bnhe->bhde', x.view(B, n, num_heads, -1),
-                        y.view(B, n, num_heads, -1))
+    """Per-head ``x_h^T @ y_h`` summed over tokens: (B, n, h*d), (B, n, h*e) -> (B, h, d, e),
+    one product per head on strided column slices (no permuted copies)."""
+    d, e = x.shape[-1] // num_heads, y.shape[-1] // num_heads
+    return torch.stack([torch.bmm(x[..., i * d:(i + 1) * d].transpose(1, 2),
+                                  y[..., i * e:(i + 1) * e]) for i in range(num_heads)], 1)
 
 
 def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
@@ -109,15 +112,18 @@ def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Tuple[Tensor, ...]
 
     With G = grad_u - (grad_c c / t^2) u (u's total gradient at fixed r) and
     S = sum(G u):  dL/dr = grad_c / t - p S / r  and
-    dL/da = p (G u / a + (dL/dr) a / (p r)).  ``grad_u`` is overwritten.
+    dL/da = p (G u / a + (dL/dr) a / (p r)).  ``grad_u`` and ``parts``' a are
+    overwritten.
     """
     a, r, u, t = parts
     c = r / t
     g = grad_u.addcmul_(u, grad_c * c / (t * t), value=-1)  # G
     grad_r = grad_c / t - p * torch.linalg.vecdot(g, u).unsqueeze(-1) / r
     grad_a_p = g.mul_(u).div_(a).addcmul_(a, grad_r / (p * r))  # dL/da / p
-    grad_s_inv = (grad_a_p * a).sum((0, 1)) * (p / s_inv)
-    grad_x = torch.ops.aten.threshold_backward(grad_a_p.mul_(p * s_inv), x, 0)
+    grad_s_inv = a.mul_(grad_a_p).sum((0, 1)) * (p / s_inv)  # a is not needed any more
+    grad_x = grad_a_p.mul_(p * s_inv)
+    # relu's gradient, in place
+    torch.ops.aten.threshold_backward.grad_input(grad_x, x, 0, grad_input=grad_x)
     return grad_x, grad_s_inv
 
 
@@ -157,11 +163,8 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         del uk, parts_k
         _, rq, uq, tq = focus(q, s_inv, p, keep_a=False)
         w, _ = FocusedLinearAttentionFn._query_weights(uq, rq / tq, km, h)
-        # the weighting writes into a fresh buffer: heads_mm may return a view
-        # (an einsum's permuted result, a view whenever N = 1), and autograd
-        # forbids in-place changes of an output that is a view
-        out = q.new_empty(B, N, C)
-        torch.mul(heads_mm(uq, kv).view(B, N, h, -1), w.unsqueeze(-1), out=out.view(B, N, h, -1))
+        out = heads_mm(uq, kv)  # a new tensor, weighted in place
+        out.view(B, N, h, -1).mul_(w.unsqueeze(-1))
         ctx.save_for_backward(q, k, v, s_inv, kv, km, key_mask)
         ctx.focusing_factor, ctx.num_heads = p, h
         return out
@@ -249,3 +252,69 @@ class DepthwiseConvFn(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_b = grad_out.sum((0, 2, 3), dtype=weight.dtype)
         return grad_x, grad_w, grad_b
+
+
+def mlp_chunk_rows(hidden: int) -> int:
+    """Tokens per chunk of :class:`TokenMlpFn`: about 2^20 hidden activations (4 MiB in fp32)."""
+    return max(256, (1 << 20) // hidden)
+
+
+class TokenMlpFn(torch.autograd.Function):
+    """``fc2(gelu(fc1(x)))`` on (..., C) tokens, a chunk of tokens at a time.
+
+    The hidden activations (4C per token) exist one chunk at a time, in small
+    buffers the allocator reuses, instead of as whole-map tensors of tens to
+    hundreds of MiB: on CPUs every fresh allocation of that size is new pages
+    from the kernel, whose first touch costs as much as the GELU itself. Only
+    x and the pre-activation fc1(x) are saved; backward recomputes the GELU
+    chunk by chunk (the plain MLP keeps the activation as well).
+
+    Args (forward): x (..., C), w1 (D, C), b1 (D,), w2 (C', D), b2 (C',), and
+    the tokens per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
+                chunk: int) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        n = x2.shape[0]
+        keep = any(ctx.needs_input_grad[:5])  # False under no_grad: nothing to save
+        hidden = x2.new_empty(n if keep else 0, w1.shape[0])
+        out = x2.new_empty(n, w2.shape[0])
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            h = torch.addmm(b1, x2[s:e], w1.t(), out=hidden[s:e] if keep else None)
+            torch.addmm(b2, F.gelu(h), w2.t(), out=out[s:e])
+        if keep:
+            ctx.save_for_backward(x2, hidden, w1, w2)
+        ctx.chunk = chunk
+        return out.view(*lead, w2.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        x2, hidden, w1, w2 = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        n, chunk = x2.shape[0], ctx.chunk
+        grad_x = torch.empty_like(x2) if need_x else None
+        grad_w1 = torch.zeros_like(w1) if need_w1 else None
+        grad_w2 = torch.zeros_like(w2) if need_w2 else None
+        grad_b1 = w1.new_zeros(w1.shape[0]) if need_b1 else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            h, g = hidden[s:e], g2[s:e]
+            if need_w2:
+                grad_w2.addmm_(g.t(), F.gelu(h))
+            grad_h = torch.ops.aten.gelu_backward(torch.mm(g, w2), h)
+            if need_b1:
+                grad_b1 += grad_h.sum(0)
+            if need_w1:
+                grad_w1.addmm_(grad_h.t(), x2[s:e])
+            if need_x:
+                torch.mm(grad_h, w1, out=grad_x[s:e])
+        grad_b2 = g2.sum(0) if need_b2 else None
+        if grad_x is not None:
+            grad_x = grad_x.view(grad_out.shape[:-1] + (x2.shape[1],))
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None

@@ -102,7 +102,8 @@ def build_model(name: str):
     if family == 'pvtv2':
         dims, layers = PVTV2[size]
         return PyramidVisionTransformerV2(embed_dims=dims, num_layers=layers)
-    return SwinTransformer(depths=SWIN[size][1], drop_path_rate=0.0)
+    # stochastic depth as FLattenSwin's default and mmdet's Swin detection configs
+    return SwinTransformer(depths=SWIN[size][1], drop_path_rate=0.2)
 
 
 # ----------------------------------------------------------------- worker

@@ -119,7 +119,7 @@ class CSwinBlock(nn.Module):
             self.attns = nn.ModuleList(branches)
             self.proj = nn.Linear(embed_dims, embed_dims)
             self.proj_drop = nn.Dropout(drop)
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop)
 
@@ -145,8 +145,8 @@ class CSwinBlock(nn.Module):
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
-        x = x + self.drop_path(self.attention(self.norm1(x), hw_shape))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        x = self.drop_path(self.attention(self.norm1(x), hw_shape), x)
+        return self.drop_path(self.mlp(self.norm2(x)), x)
 
 
 class ConvStem(nn.Sequential):

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import FocusedLinearAttention, HWShape, resize_tokens, to_2tuple_checked
+from ..attention import (FocusedLinearAttention, HWShape, add_resized, eval_cached, resize_parts,
+                         to_2tuple_checked)
 from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type, check_images,
                       check_stage_list, drop_path_rates, stage_output)
 from .base import FLattenBackbone
@@ -67,13 +68,13 @@ class PVTBlock(nn.Module):
             self.attn = SpatialReductionAttention(
                 embed_dims, num_heads, qkv_bias=qkv_bias, sr_ratio=sr_ratio,
                 attn_drop=attn_drop, proj_drop=drop)
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop, with_dwconv)
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
-        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+        x = self.drop_path(self.attn(self.norm1(x), hw_shape), x)
+        return self.drop_path(self.mlp(self.norm2(x), hw_shape), x)
 
 
 class FLattenPyramid(FLattenBackbone):
@@ -176,8 +177,10 @@ class FLattenPyramid(FLattenBackbone):
         tokens (B, N, C') and grid."""
         x, hw_shape = getattr(self, f'patch_embed{i + 1}')(x)
         if self.version == 1:
-            pos = resize_tokens(getattr(self, f'pos_embed{i + 1}'), self.pos_grids[i], hw_shape)
-            x = self.pos_drop(x + pos)
+            pos = getattr(self, f'pos_embed{i + 1}')
+            parts = eval_cached(self, (i, hw_shape),
+                                lambda: resize_parts(pos, self.pos_grids[i], hw_shape), (pos,))
+            x = self.pos_drop(add_resized(x, parts))
         for block in getattr(self, f'block{i + 1}'):
             x = self.run_block(block, x, hw_shape)
         if self.version == 2:

@@ -55,7 +55,7 @@ class SwinBlock(nn.Module):
         else:
             self.attn = WindowSoftmaxAttention(embed_dims, num_heads, window, qkv_bias,
                                                attn_drop, drop)
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop)
         self._register_load_state_dict_pre_hook(self._drop_official_buffers)
@@ -80,8 +80,8 @@ class SwinBlock(nn.Module):
         return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
-        x = x + self.drop_path(self.attention(self.norm1(x), hw_shape))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        x = self.drop_path(self.attention(self.norm1(x), hw_shape), x)
+        return self.drop_path(self.mlp(self.norm2(x)), x)
 
 
 class PatchMerging(nn.Module):

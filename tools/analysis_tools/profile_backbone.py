@@ -1,0 +1,147 @@
+"""Where a backbone's time goes, per op family, next to its softmax counterpart.
+
+    python tools/analysis_tools/profile_backbone.py --models flatten-swin-t swin-t \\
+        --size 800x1333 --mode fwdbwd --threads 2
+
+Each model runs in its own subprocess (as ``benchmark_backbone.py``; same
+model names): one warm-up step, then ``--iters`` steps under
+``torch.profiler``. Self CPU time of every aten op is summed into families
+(matmul, conv, attention, norm, element-wise, reduction, layout/copy,
+resize/gather, other) so two models can be compared line by line. Also prints
+the top ops of each model. ``--out`` writes the table as JSON.
+"""
+import argparse
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_backbone import build_model, check_model_name, parse_size  # noqa: E402
+
+# op name fragments -> family; the first match wins
+FAMILIES = [
+    ('attention', ('scaled_dot_product', '_flash_attention', '_efficient_attention', 'softmax')),
+    ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),
+    ('matmul', ('addmm', 'aten::mm', 'bmm', 'matmul', 'linear', 'einsum', 'baddbmm', 'dot',
+                'vecdot')),
+    ('norm', ('layer_norm', 'batch_norm', 'group_norm', 'vector_norm', 'linalg_vector_norm')),
+    ('resize/gather', ('index', 'gather', 'scatter', 'upsample', 'interpolate', 'lerp',
+                       'grid_sampler', 'embedding')),
+    ('layout/copy', ('copy_', 'contiguous', 'clone', 'cat', 'constant_pad', 'pad', 'stack',
+                     'fill_', 'zero_', 'zeros', 'empty', 'repeat', 'flip', 'roll',
+                     'masked_fill', 'where', 'tril', 'triu')),
+    ('reduction', ('sum', 'mean', 'amax', 'max', 'min', 'argmax')),
+    ('element-wise', ('add', 'sub', 'mul', 'div', 'pow', 'relu', 'gelu', 'clamp', 'threshold',
+                      'sqrt', 'rsqrt', 'exp', 'neg', 'reciprocal', 'bernoulli', 'softplus',
+                      'sigmoid', 'tanh', 'abs')),
+]
+
+
+def family_of(name: str) -> str:
+    low = name.lower()
+    for family, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return family
+    return 'other'
+
+
+def leaf_self_times(prof) -> dict:
+    """Self CPU time (ms) per aten op, summed over its calls."""
+    times = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.key.startswith('aten::') or evt.key.startswith('mkldnn'):
+            times[evt.key] += evt.self_cpu_time_total / 1e3
+    return dict(times)
+
+
+def run_worker(spec: dict) -> dict:
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.set_num_threads(spec['threads'])
+    torch.manual_seed(0)
+    model = build_model(spec['model'])
+    model.train(spec['mode'] == 'fwdbwd')
+    x = torch.randn(1, 3, *spec['size'])
+
+    def step():
+        if spec['mode'] == 'fwd':
+            with torch.no_grad():
+                model(x)
+        else:
+            sum(o.mean() for o in model(x)).backward()
+            model.zero_grad(set_to_none=True)
+
+    step()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(spec['iters']):
+            step()
+    wall = (time.perf_counter() - t0) * 1e3 / spec['iters']
+    ops = {k: v / spec['iters'] for k, v in leaf_self_times(prof).items()}
+    return dict(spec, wall_ms=wall, ops=ops)
+
+
+def summarise(results):
+    families = {}
+    for r in results:
+        fam = defaultdict(float)
+        for op, ms in r['ops'].items():
+            fam[family_of(op)] += ms
+        families[r['model']] = dict(fam)
+    names = [family for family, _ in FAMILIES] + ['other']
+    models = [r['model'] for r in results]
+    print(f"| op family | {' | '.join(f'{m} (ms)' for m in models)} |")
+    print('|---|' + '---|' * len(models))
+    for fam in names:
+        print(f'| {fam} | ' + ' | '.join(f"{families[m].get(fam, 0):.0f}" for m in models) + ' |')
+    print('| total (self time of ops) | ' + ' | '.join(
+        f"{sum(families[m].values()):.0f}" for m in models) + ' |')
+    print('| wall time under the profiler | ' + ' | '.join(
+        f"{r['wall_ms']:.0f}" for r in results) + ' |')
+    for r in results:
+        print(f"\ntop ops of {r['model']}:")
+        for op, ms in sorted(r['ops'].items(), key=lambda kv: -kv[1])[:15]:
+            print(f'  {ms:8.1f} ms  {op}  [{family_of(op)}]')
+    return families
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--models', nargs='+', default=['flatten-swin-t', 'swin-t'])
+    parser.add_argument('--size', type=parse_size, default=[800, 1333])
+    parser.add_argument('--mode', choices=['fwd', 'fwdbwd'], default='fwdbwd')
+    parser.add_argument('--threads', type=int, default=2)
+    parser.add_argument('--iters', type=int, default=1)
+    parser.add_argument('--out', help='write the per-op and per-family times here (JSON)')
+    parser.add_argument('--worker', help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print('RESULT ' + json.dumps(run_worker(json.loads(args.worker))), flush=True)
+        return None
+    for name in args.models:
+        try:
+            check_model_name(name)
+        except ValueError as err:
+            parser.error(str(err))
+    results = []
+    for name in args.models:
+        spec = dict(model=name, size=args.size, mode=args.mode, threads=args.threads,
+                    iters=args.iters)
+        proc = subprocess.run([sys.executable, __file__, '--worker', json.dumps(spec)],
+                              capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
+        if not lines:
+            sys.exit(f'{name} failed:\n{proc.stderr[-2000:]}')
+        results.append(json.loads(lines[-1][len('RESULT '):]))
+    families = summarise(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(results=results, families=families), indent=1))
+    return families
+
+
+if __name__ == '__main__':
+    main()
