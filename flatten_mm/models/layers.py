@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from .attention import (HWShape, add_projections, check_positive_int, map_to_tokens,
-                        spatial_reduce, tokens_to_map)
-from .ops import TokenMlpFn, mlp_chunk_rows
+from .attention import (HWShape, add_projections, check_positive_int, eval_cached,
+                        map_to_tokens, spatial_reduce, tokens_to_map)
+from .ops import MLP_CHUNK_ROWS, TokenMlpFn
 
 ATTN_TYPES = ('L', 'S')
 
@@ -94,7 +94,7 @@ class Mlp(nn.Module):
     def forward(self, x: Tensor, hw_shape: Optional[HWShape] = None) -> Tensor:
         if self._chunked(x):
             return TokenMlpFn.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                                    self.fc2.bias, mlp_chunk_rows(self.fc1.out_features))
+                                    self.fc2.bias, MLP_CHUNK_ROWS)
         x = self.fc1(x)
         if hasattr(self, 'dwconv'):
             x = self.dwconv(x, hw_shape)
@@ -217,54 +217,80 @@ class WindowSoftmaxAttention(nn.Module):
         H, W = hw_shape
         # project the real tokens only; windows are cut from q, k, v
         qkv = self.qkv(x).view(B, H, W, 3 * C)
-        windows, key_mask, layout = window_partition(qkv, self.window_size, offset)
-        out = window_merge(self.attend(windows, key_mask), self.window_size, hw_shape, layout)
+        windows, layout = window_partition(qkv, self.window_size, offset)
+        table = self.relative_position_bias_table
+        bias = eval_cached(self, ('bias', tuple(hw_shape), layout, B, qkv.dtype),
+                           lambda: self.attention_bias(hw_shape, layout, B, qkv.dtype), (table,))
+        out = window_merge(self.attend(windows, bias), self.window_size, hw_shape, layout)
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
 
-    def attend(self, qkv: Tensor, key_mask: Optional[Tensor] = None) -> Tensor:
-        """Softmax attention inside windows: (B', n, 3C) -> (B', n, C)."""
+    def attention_bias(self, hw_shape: HWShape, layout: Tuple[int, int, int, int], batch: int,
+                       dtype: torch.dtype) -> Tensor:
+        """The relative position bias (1, h, n, n), with -inf at the padded
+        keys of each window (batch * nW, h, n, n) when the partition padded."""
+        n = self.window_size[0] * self.window_size[1]
+        table = self.relative_position_bias_table
+        bias = table[self.relative_position_index.view(-1)].view(n, n, -1)
+        bias = bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
+        key_mask = window_key_mask(hw_shape, self.window_size, layout, batch, table.device)
+        if key_mask is not None:
+            bias = bias.masked_fill(~key_mask[:, None, None, :], float('-inf'))
+        return bias
+
+    def attend(self, qkv: Tensor, bias: Tensor) -> Tensor:
+        """Softmax attention inside windows: (B', n, 3C) -> (B', n, C), with
+        ``bias`` from :meth:`attention_bias`."""
         Bw, n, C3 = qkv.shape
         h = self.num_heads
         q, k, v = qkv.view(Bw, n, 3, h, C3 // (3 * h)).permute(2, 0, 3, 1, 4)
-        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        bias = bias.view(n, n, h).permute(2, 0, 1).unsqueeze(0).to(q.dtype)
-        if key_mask is not None:
-            bias = bias.masked_fill(~key_mask[:, None, None, :], float('-inf'))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.)
         return out.transpose(1, 2).reshape(Bw, n, C3 // 3)
 
 
+def window_layout(hw_shape: HWShape, window: HWShape, offset: Tuple[int, int] = (0, 0)
+                  ) -> Tuple[int, int, int, int]:
+    """(top, left, Hp, Wp): the padded map of :func:`window_partition`."""
+    (H, W), (wh, ww), (top, left) = hw_shape, window, offset
+    return top, left, H + top + (-(top + H)) % wh, W + left + (-(left + W)) % ww
+
+
 def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0)
-                     ) -> Tuple[Tensor, Optional[Tensor], Tuple[int, int, int, int]]:
+                     ) -> Tuple[Tensor, Tuple[int, int, int, int]]:
     """Split a (B, H, W, C) map into windows, padding where needed.
 
     A shifted partition (Swin's SW-MSA) is a regular partition of the map
     padded by ``offset`` rows/columns at the top/left. Every window then holds
     only neighbouring tokens plus padding, so no cyclic shift and no region
-    mask are needed; padded tokens are excluded through the returned key mask.
+    mask are needed; padded tokens are excluded through
+    :func:`window_key_mask`.
 
     Returns:
-        windows (B * nW, wh * ww, C); key mask (B * nW, wh * ww) bool or None
-        when nothing was padded; and (top, left, Hp, Wp) for :func:`window_merge`.
+        windows (B * nW, wh * ww, C) and (top, left, Hp, Wp) for
+        :func:`window_merge` and :func:`window_key_mask`.
     """
     B, H, W, C = x.shape
     wh, ww = window
-    top, left = offset
-    bottom = (-(top + H)) % wh
-    right = (-(left + W)) % ww
-    padded = top or left or bottom or right
-    if padded:
-        x = F.pad(x, (0, 0, left, right, top, bottom))
-    Hp, Wp = H + top + bottom, W + left + right
+    layout = top, left, Hp, Wp = window_layout((H, W), window, offset)
+    if (Hp, Wp) != (H, W):
+        x = F.pad(x, (0, 0, left, Wp - W - left, top, Hp - H - top))
     windows = x.view(B, Hp // wh, wh, Wp // ww, ww, C).transpose(2, 3).reshape(-1, wh * ww, C)
-    mask = None
-    if padded:
-        valid = torch.zeros(Hp, Wp, dtype=torch.bool, device=x.device)
-        valid[top:top + H, left:left + W] = True
-        mask = valid.view(Hp // wh, wh, Wp // ww, ww).transpose(1, 2).reshape(-1, wh * ww)
-        mask = mask.repeat(B, 1)
-    return windows, mask, (top, left, Hp, Wp)
+    return windows, layout
+
+
+def window_key_mask(hw_shape: HWShape, window: HWShape, layout: Tuple[int, int, int, int],
+                    batch: int, device) -> Optional[Tensor]:
+    """(batch * nW, wh * ww) bool, True for the real tokens of each window of
+    :func:`window_partition`; None when nothing was padded."""
+    top, left, Hp, Wp = layout
+    H, W = hw_shape
+    if (Hp, Wp) == (H, W):
+        return None
+    wh, ww = window
+    valid = torch.zeros(Hp, Wp, dtype=torch.bool, device=device)
+    valid[top:top + H, left:left + W] = True
+    mask = valid.view(Hp // wh, wh, Wp // ww, ww).transpose(1, 2).reshape(-1, wh * ww)
+    return mask.repeat(batch, 1)
 
 
 def window_merge(windows: Tensor, window: HWShape, hw_shape: HWShape,

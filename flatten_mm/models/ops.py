@@ -254,20 +254,20 @@ class DepthwiseConvFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def mlp_chunk_rows(hidden: int) -> int:
-    """Tokens per chunk of :class:`TokenMlpFn`: about 2^20 hidden activations (4 MiB in fp32)."""
-    return max(256, (1 << 20) // hidden)
+# tokens per chunk of TokenMlpFn (measured on 2 CPU cores: docs/benchmarks.md)
+MLP_CHUNK_ROWS = 2048
 
 
 class TokenMlpFn(torch.autograd.Function):
     """``fc2(gelu(fc1(x)))`` on (..., C) tokens, a chunk of tokens at a time.
 
-    The hidden activations (4C per token) exist one chunk at a time, in small
-    buffers the allocator reuses, instead of as whole-map tensors of tens to
-    hundreds of MiB: on CPUs every fresh allocation of that size is new pages
-    from the kernel, whose first touch costs as much as the GELU itself. Only
-    x and the pre-activation fc1(x) are saved; backward recomputes the GELU
-    chunk by chunk (the plain MLP keeps the activation as well).
+    The hidden activations (4C per token) exist one chunk at a time, in two
+    scratch buffers reused by every chunk, instead of as whole-map tensors of
+    tens to hundreds of MiB: on CPUs each fresh allocation of that size is new
+    pages from the kernel, whose first touch costs as much as the GELU itself.
+    Only x and the pre-activation fc1(x) are saved (nothing in inference);
+    backward recomputes the GELU chunk by chunk (the plain MLP keeps the
+    activation as well).
 
     Args (forward): x (..., C), w1 (D, C), b1 (D,), w2 (C', D), b2 (C',), and
     the tokens per chunk.
@@ -280,12 +280,18 @@ class TokenMlpFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         n = x2.shape[0]
         keep = any(ctx.needs_input_grad[:5])  # False under no_grad: nothing to save
-        hidden = x2.new_empty(n if keep else 0, w1.shape[0])
+        hidden = x2.new_empty(n, w1.shape[0]) if keep else None
+        scratch = x2.new_empty(min(chunk, n), w1.shape[0])
         out = x2.new_empty(n, w2.shape[0])
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            h = torch.addmm(b1, x2[s:e], w1.t(), out=hidden[s:e] if keep else None)
-            torch.addmm(b2, F.gelu(h), w2.t(), out=out[s:e])
+            act = scratch[:e - s]
+            if keep:
+                h = torch.addmm(b1, x2[s:e], w1.t(), out=hidden[s:e])
+                torch.ops.aten.gelu.out(h, out=act)
+            else:
+                torch.ops.aten.gelu_(torch.addmm(b1, x2[s:e], w1.t(), out=act))
+            torch.addmm(b2, act, w2.t(), out=out[s:e])
         if keep:
             ctx.save_for_backward(x2, hidden, w1, w2)
         ctx.chunk = chunk
@@ -302,12 +308,15 @@ class TokenMlpFn(torch.autograd.Function):
         grad_w1 = torch.zeros_like(w1) if need_w1 else None
         grad_w2 = torch.zeros_like(w2) if need_w2 else None
         grad_b1 = w1.new_zeros(w1.shape[0]) if need_b1 else None
+        act_buf = x2.new_empty(min(chunk, n), w1.shape[0]) if need_w2 else None
+        grad_buf = x2.new_empty(min(chunk, n), w1.shape[0])
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h, g = hidden[s:e], g2[s:e]
             if need_w2:
-                grad_w2.addmm_(g.t(), F.gelu(h))
-            grad_h = torch.ops.aten.gelu_backward(torch.mm(g, w2), h)
+                grad_w2.addmm_(g.t(), torch.ops.aten.gelu.out(h, out=act_buf[:e - s]))
+            grad_h = torch.mm(g, w2, out=grad_buf[:e - s])
+            torch.ops.aten.gelu_backward.grad_input(grad_h, h, grad_input=grad_h)  # in place
             if need_b1:
                 grad_b1 += grad_h.sum(0)
             if need_w1:

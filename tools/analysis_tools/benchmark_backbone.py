@@ -23,8 +23,11 @@ Memory:
 Models: ``flatten-pvt-{t,s,m}``, ``flatten-pvtv2-b{0,1,2}``, ``flatten-swin-{t,s}``,
 ``flatten-cswin-{t,s}`` (flatten_mm), their softmax counterparts ``pvt-{t,s,m}``,
 ``pvtv2-b{0,1,2}``, ``swin-{t,s}`` (mmdet's backbones) and ``cswin-{t,s}``
-(``FLattenCSwin`` with ``attn_type='SSSS'``: CSWin's stripes in every stage), and ``NAME@reference`` for a flatten model
-whose linear attention runs the plain reference code (official op order).
+(``FLattenCSwin`` with ``attn_type='SSSS'``: CSWin's stripes in every stage), ``NAME@reference`` for a flatten model
+whose linear attention runs the plain reference code (official op order), and
+``NAME@rev`` for a flatten model built from another checkout of flatten_mm
+(``--rev-dir``, e.g. a ``git worktree`` of an older commit), to time two
+versions of the code side by side.
 Writes ``results.json``, ``results.csv`` and ``results.png`` to ``--out-dir``.
 """
 import argparse
@@ -68,10 +71,10 @@ def baseline_of(name: str):
 
 def check_model_name(name: str) -> None:
     base, _, variant = name.partition('@')
-    if base not in model_names() or variant not in ('', 'reference') \
+    if base not in model_names() or variant not in ('', 'reference', 'rev') \
             or (variant and not base.startswith('flatten-')):
         raise ValueError(f'unknown model {name!r}; choose from {model_names()} '
-                         '(flatten ones also as NAME@reference)')
+                         '(flatten ones also as NAME@reference or NAME@rev)')
 
 
 def build_model(name: str):
@@ -114,6 +117,10 @@ def rss_bytes() -> int:
 
 
 def run_worker(spec: dict) -> dict:
+    if spec['model'].endswith('@rev'):
+        if not spec.get('rev_dir'):
+            raise ValueError('NAME@rev models need --rev-dir')
+        sys.path.insert(0, spec['rev_dir'])  # its flatten_mm comes first
     import torch
     if spec.get('threads'):
         torch.set_num_threads(spec['threads'])
@@ -336,6 +343,7 @@ def main(argv=None):
     parser.add_argument('--mem-limit-gb', type=float, default=None,
                         help='CPU: address-space limit per case (default: 80%% of RAM)')
     parser.add_argument('--out-dir', default='work_dirs/benchmark_backbone')
+    parser.add_argument('--rev-dir', help='checkout of another flatten_mm version, for NAME@rev')
     parser.add_argument('--worker', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -365,7 +373,8 @@ def main(argv=None):
                         spec = dict(model=model, size=size, mode=mode, dtype=dtype,
                                     device=args.device, threads=args.threads,
                                     iters=args.iters, warmup=args.warmup,
-                                    mem_limit_gb=args.mem_limit_gb)
+                                    mem_limit_gb=args.mem_limit_gb,
+                                    rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
                         r = run_case(spec, args.timeout)
                         results.append(r)
                         if r['status'] != 'ok':

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import FocusedLinearAttention, HWShape, map_to_tokens, tokens_to_map
-from ..layers import (DropPath, Mlp, check_stage_list, drop_path_rates, window_merge,
-                      window_partition)
+from ..attention import (FocusedLinearAttention, HWShape, eval_cached, map_to_tokens,
+                         tokens_to_map)
+from ..layers import (DropPath, Mlp, check_stage_list, drop_path_rates, window_key_mask,
+                      window_merge, window_partition)
 from .base import DoublingBackbone
 
 
@@ -62,18 +63,25 @@ class LePEAttention(nn.Module):
             return (H, W)
         return (H, self.stripe) if self.vertical else (self.stripe, W)
 
+    @staticmethod
+    def padding_mask(hw_shape: HWShape, window: HWShape, layout, batch: int, dtype, device):
+        """(B * nW, 1, 1, n) additive mask, -inf at padded keys; None without padding."""
+        key_mask = window_key_mask(hw_shape, window, layout, batch, device)
+        if key_mask is None:
+            return None
+        mask = torch.zeros(key_mask.shape, dtype=dtype, device=device)
+        return mask.masked_fill(~key_mask, float('-inf'))[:, None, None, :]
+
     def forward(self, qkv: Tensor) -> Tensor:
         """(B, H, W, 3C) map of q, k, v (C channels each) -> (B, H, W, C)."""
         B, H, W, C3 = qkv.shape
         C, h = C3 // 3, self.num_heads
         window = self.window((H, W))
-        windows, key_mask, layout = window_partition(qkv, window, (0, 0))
+        windows, layout = window_partition(qkv, window, (0, 0))
         Bw, n, _ = windows.shape
         q, k, v = windows.view(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
-        mask = None
-        if key_mask is not None:  # padded keys get no weight
-            mask = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
-            mask = mask.masked_fill(~key_mask, float('-inf'))[:, None, None, :]
+        mask = eval_cached(self, ('mask', (H, W), B, q.dtype),
+                           lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(Bw, n, C)

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import FocusedLinearAttention, HWShape, to_2tuple_checked
-from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, drop_path_rates, window_merge,
-                      window_partition)
+from ..attention import FocusedLinearAttention, HWShape, eval_cached, to_2tuple_checked
+from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, drop_path_rates, window_key_mask,
+                      window_merge, window_partition)
 from .base import DoublingBackbone
 from .flatten_pvt import PatchEmbed
 
@@ -74,8 +74,10 @@ class SwinBlock(nn.Module):
         offset = (wh - wh // 2, ww - ww // 2) if self.shift and not fits else (0, 0)
         if not self.linear:
             return self.attn(x, hw_shape, offset)
-        windows, mask, layout = window_partition(x.view(-1, H, W, x.shape[-1]),
-                                                 self.window, offset)
+        B = x.shape[0]
+        windows, layout = window_partition(x.view(B, H, W, x.shape[-1]), self.window, offset)
+        mask = eval_cached(self, ('mask', tuple(hw_shape), layout, B),
+                           lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
         windows = self.attn(windows, self.window, mask)
         return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
 

@@ -3,7 +3,8 @@ import torch
 
 from flatten_mm import FLattenSwin
 from flatten_mm.models.backbones.flatten_swin import SwinBlock
-from flatten_mm.models.layers import window_merge, window_partition
+from flatten_mm.models.layers import (window_key_mask, window_layout, window_merge,
+                                      window_partition)
 
 from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
                              assert_trains_at_every_size)
@@ -40,9 +41,13 @@ def test_trains_at_every_size(kw):
 
 def test_partition_round_trip():
     x = torch.randn(2, 10, 13, 4)
-    windows, mask, layout = window_partition(x, (7, 7), (4, 4))
+    windows, layout = window_partition(x, (7, 7), (4, 4))
     assert windows.shape == (2 * 2 * 3, 49, 4)  # (4 + 10) x (4 + 13 + 4) padded
-    assert mask.sum() == 2 * 10 * 13
+    mask = window_key_mask((10, 13), (7, 7), layout, 2, x.device)
+    assert mask.shape == (12, 49) and mask.sum() == 2 * 10 * 13
+    # the mask marks exactly the windows' real tokens
+    assert torch.equal(windows.abs().sum(-1) > 0, mask)
+    assert window_key_mask((14, 21), (7, 7), window_layout((14, 21), (7, 7)), 2, x.device) is None
     assert torch.equal(window_merge(windows, (7, 7), (10, 13), layout), x)
 
 
