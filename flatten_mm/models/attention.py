@@ -420,7 +420,7 @@ class FocusedLinearAttention(nn.Module):
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
-        out = self.attend(q, k, v, key_mask)
+        out = self.attend(q, k, v, key_mask, consume_qk=True)  # q, k are ours
         out = out.add_(self.depthwise_conv(v, grid, hw_shape))  # attend's own buffer
         return self.proj_drop(self.proj(out))
 
@@ -460,14 +460,18 @@ class FocusedLinearAttention(nn.Module):
         softmax = (logits * d ** -0.5).softmax(-1)
         return focused, softmax, grid
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tensor:
-        """Focused mapping and linear attention, in fp32 under half precision."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+               consume_qk: bool = False) -> Tensor:
+        """Focused mapping and linear attention, in fp32 under half precision.
+        With ``consume_qk``, q and k may be overwritten when no gradient is
+        recorded."""
         dtype = v.dtype
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(device_type=q.device.type, enabled=False):
             s_inv = 1.0 / F.softplus(self.scale.to(ct)).view(-1)
             out = FocusedLinearAttentionFn.apply(q.to(ct), k.to(ct), v.to(ct), s_inv,
-                                                 self.focusing_factor, self.num_heads, key_mask)
+                                                 self.focusing_factor, self.num_heads, key_mask,
+                                                 consume_qk)
         return out.to(dtype)
 
     def _convert_official(self, state_dict, prefix, *args, **kwargs):

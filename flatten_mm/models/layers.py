@@ -9,7 +9,7 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .attention import (HWShape, add_projections, check_positive_int, eval_cached,
                         map_to_tokens, spatial_reduce, tokens_to_map)
-from .ops import MLP_CHUNK_ROWS, TokenMlpFn
+from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 
 ATTN_TYPES = ('L', 'S')
 
@@ -61,7 +61,9 @@ class DropPath(nn.Module):
     """Stochastic depth: drops whole residual branches per sample in training.
 
     ``drop_path(x, residual)`` is ``residual + drop_path(x)`` in one pass
-    (``addcmul`` with the per-sample scale) instead of three."""
+    (``addcmul`` with the per-sample scale) instead of three. The blocks pass
+    their branch's own output as x: when no gradient is recorded it takes the
+    sum in place (no new buffer)."""
 
     def __init__(self, drop_prob: float = 0.):
         super().__init__()
@@ -69,7 +71,9 @@ class DropPath(nn.Module):
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
         if not self.training or self.drop_prob == 0.:
-            return x if residual is None else residual + x
+            if residual is None:
+                return x
+            return x.add_(residual) if not torch.is_grad_enabled() else residual + x
         keep = 1 - self.drop_prob
         scale = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
         return x * scale if residual is None else torch.addcmul(residual, x, scale)
@@ -93,8 +97,12 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor, hw_shape: Optional[HWShape] = None) -> Tensor:
         if self._chunked(x):
-            return TokenMlpFn.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                                    self.fc2.bias, MLP_CHUNK_ROWS)
+            args = (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
+                    MLP_CHUNK_ROWS)
+            if torch.is_grad_enabled():
+                return TokenMlpFn.apply(x, *args)
+            out = token_mlp(x.reshape(-1, x.shape[-1]), *args)
+            return out.view(*x.shape[:-1], out.shape[-1])
         x = self.fc1(x)
         if hasattr(self, 'dwconv'):
             x = self.dwconv(x, hw_shape)

@@ -90,15 +90,16 @@ def heads_weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
     return full.view(B, h, h, -1).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, 1, -1)
 
 
-def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True):
+def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: bool = False):
     """a, r, u, t of the focused mapping (module docstring); phi(x) = (r / t) * u.
 
     ``a = max(x * s_inv + eps * s_inv, eps * s_inv)``, which is
-    ``(relu(x) + eps) * s_inv`` as s_inv > 0, in two passes and one buffer.
-    Without ``keep_a``, u is computed in a's buffer and a is returned as None.
+    ``(relu(x) + eps) * s_inv`` as s_inv > 0, in two passes and one buffer
+    (x's own with ``in_place``). Without ``keep_a``, u is computed in a's
+    buffer and a is returned as None.
     """
     eps_s = EPS * s_inv
-    a = torch.addcmul(eps_s, x, s_inv).clamp_min_(eps_s)
+    a = torch.addcmul(eps_s, x, s_inv, out=x if in_place else None).clamp_min_(eps_s)
     r = torch.linalg.vector_norm(a, dim=-1, keepdim=True)
     u = (a / r if keep_a else a.div_(r)).pow_(p)
     t = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
@@ -131,13 +132,16 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
     """out = focused linear attention of raw (projected) q, k, v; see the module docstring.
 
     Args (forward): q (B, N, C), k (B, n, C), v (B, n, C), s_inv (C,),
-    focusing_factor, num_heads, key_mask (B, n) bool or None.
+    focusing_factor, num_heads, key_mask (B, n) bool or None, and
+    consume_qk: when no gradient is needed, q and k may be overwritten (the
+    focused mapping then runs in their buffers instead of new ones).
     """
 
     @staticmethod
-    def _keys(k: Tensor, s_inv: Tensor, p: float, key_mask: Optional[Tensor], keep_a: bool):
+    def _keys(k: Tensor, s_inv: Tensor, p: float, key_mask: Optional[Tensor], keep_a: bool,
+              in_place: bool = False):
         """u and c of the keys, and kappa's other factor: 1 / n, or mask / count."""
-        parts = focus(k, s_inv, p, keep_a)
+        parts = focus(k, s_inv, p, keep_a, in_place)
         _, rk, uk, tk = parts
         if key_mask is None:
             share = k.new_full((1, 1, 1), 1.0 / k.shape[1])
@@ -153,15 +157,17 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
-                num_heads: int, key_mask: Optional[Tensor]) -> Tensor:
+                num_heads: int, key_mask: Optional[Tensor], consume_qk: bool) -> Tensor:
         B, N, C = q.shape
         p, h = focusing_factor, num_heads
-        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask, False)
+        in_place = consume_qk and not any(ctx.needs_input_grad[:4])  # nothing saved
+        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask, False,
+                                                            in_place)
         uk = parts_k[2].mul_(ck * share)  # kappa * u
         km = uk.sum(1, keepdim=True)  # (B, 1, C)
         kv = heads_outer(uk, v, h)  # (B, h, d, d)
         del uk, parts_k
-        _, rq, uq, tq = focus(q, s_inv, p, keep_a=False)
+        _, rq, uq, tq = focus(q, s_inv, p, keep_a=False, in_place=in_place)
         w, _ = FocusedLinearAttentionFn._query_weights(uq, rq / tq, km, h)
         out = heads_mm(uq, kv)  # a new tensor, weighted in place
         out.view(B, N, h, -1).mul_(w.unsqueeze(-1))
@@ -211,7 +217,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         grad_ck = torch.linalg.vecdot(grad_uk, uk).unsqueeze(-1) * share
         del uk
         grad_k, grad_s_inv_k = focus_backward(k, s_inv, p, parts_k, grad_uk.mul_(kappa), grad_ck)
-        return grad_q, grad_k, grad_v, grad_s_inv + grad_s_inv_k, None, None, None
+        return grad_q, grad_k, grad_v, grad_s_inv + grad_s_inv_k, None, None, None, None
 
 
 class DepthwiseConvFn(torch.autograd.Function):
@@ -258,16 +264,34 @@ class DepthwiseConvFn(torch.autograd.Function):
 MLP_CHUNK_ROWS = 2048
 
 
-class TokenMlpFn(torch.autograd.Function):
-    """``fc2(gelu(fc1(x)))`` on (..., C) tokens, a chunk of tokens at a time.
+def token_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, chunk: int,
+              hidden: Optional[Tensor] = None) -> Tensor:
+    """``fc2(gelu(fc1(x)))`` on (N, C) tokens, ``chunk`` tokens at a time, the
+    hidden activations in one scratch buffer reused by every chunk. With
+    ``hidden`` (N, D), the pre-activations fc1(x) are kept there."""
+    n = x.shape[0]
+    scratch = x.new_empty(min(chunk, n), w1.shape[0])
+    out = x.new_empty(n, w2.shape[0])
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        act = scratch[:e - s]
+        if hidden is not None:
+            torch.ops.aten.gelu.out(torch.addmm(b1, x[s:e], w1.t(), out=hidden[s:e]), out=act)
+        else:
+            torch.ops.aten.gelu_(torch.addmm(b1, x[s:e], w1.t(), out=act))
+        torch.addmm(b2, act, w2.t(), out=out[s:e])
+    return out
 
-    The hidden activations (4C per token) exist one chunk at a time, in two
+
+class TokenMlpFn(torch.autograd.Function):
+    """:func:`token_mlp` with a chunked backward.
+
+    The hidden activations (4C per token) exist one chunk at a time, in
     scratch buffers reused by every chunk, instead of as whole-map tensors of
     tens to hundreds of MiB: on CPUs each fresh allocation of that size is new
     pages from the kernel, whose first touch costs as much as the GELU itself.
-    Only x and the pre-activation fc1(x) are saved (nothing in inference);
-    backward recomputes the GELU chunk by chunk (the plain MLP keeps the
-    activation as well).
+    Only x and the pre-activation fc1(x) are saved; backward recomputes the
+    GELU chunk by chunk (the plain MLP keeps the activation as well).
 
     Args (forward): x (..., C), w1 (D, C), b1 (D,), w2 (C', D), b2 (C',), and
     the tokens per chunk.
@@ -276,26 +300,12 @@ class TokenMlpFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
                 chunk: int) -> Tensor:
-        lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        n = x2.shape[0]
-        keep = any(ctx.needs_input_grad[:5])  # False under no_grad: nothing to save
-        hidden = x2.new_empty(n, w1.shape[0]) if keep else None
-        scratch = x2.new_empty(min(chunk, n), w1.shape[0])
-        out = x2.new_empty(n, w2.shape[0])
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            act = scratch[:e - s]
-            if keep:
-                h = torch.addmm(b1, x2[s:e], w1.t(), out=hidden[s:e])
-                torch.ops.aten.gelu.out(h, out=act)
-            else:
-                torch.ops.aten.gelu_(torch.addmm(b1, x2[s:e], w1.t(), out=act))
-            torch.addmm(b2, act, w2.t(), out=out[s:e])
-        if keep:
-            ctx.save_for_backward(x2, hidden, w1, w2)
+        hidden = x2.new_empty(x2.shape[0], w1.shape[0])
+        out = token_mlp(x2, w1, b1, w2, b2, chunk, hidden)
+        ctx.save_for_backward(x2, hidden, w1, w2)
         ctx.chunk = chunk
-        return out.view(*lead, w2.shape[0])
+        return out.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     @once_differentiable

@@ -52,7 +52,7 @@ def test_masked_function_gradients_match_autograd():
         return linear_attention(focusing_map(q, s, 3), focusing_map(k, s, 3), v, h, mask)
 
     def fast():
-        return FocusedLinearAttentionFn.apply(q, k, v, 1 / F.softplus(sigma), 3, h, mask)
+        return FocusedLinearAttentionFn.apply(q, k, v, 1 / F.softplus(sigma), 3, h, mask, False)
 
     for a, b in zip(grads(fast, [q, k, v, sigma]), grads(plain, [q, k, v, sigma])):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
@@ -63,7 +63,7 @@ def test_function_gradcheck(p):
     q, k, v = (torch.randn(2, 7, 6, dtype=torch.float64, requires_grad=True) for _ in range(3))
     s_inv = torch.rand(6, dtype=torch.float64).add_(0.5).requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda *t: FocusedLinearAttentionFn.apply(*t, p, 2, None), (q, k, v, s_inv))
+        lambda *t: FocusedLinearAttentionFn.apply(*t, p, 2, None, False), (q, k, v, s_inv))
 
 
 def test_depthwise_conv_gradcheck_and_value():

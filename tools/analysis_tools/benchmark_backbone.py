@@ -64,7 +64,8 @@ def model_names():
 
 
 def baseline_of(name: str):
-    """``flatten-X`` (or ``flatten-X@reference``) is compared with ``X``."""
+    """``flatten-X`` (or ``flatten-X@reference``, ``flatten-X@rev``) is compared
+    with ``X``; but ``flatten-X`` with ``flatten-X@rev`` when both are timed."""
     base = name.split('@')[0]
     return base[len('flatten-'):] if base.startswith('flatten-') else None
 
@@ -116,64 +117,118 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 
 
-def run_worker(spec: dict) -> dict:
-    if spec['model'].endswith('@rev'):
-        if not spec.get('rev_dir'):
-            raise ValueError('NAME@rev models need --rev-dir')
-        sys.path.insert(0, spec['rev_dir'])  # its flatten_mm comes first
-    import torch
-    if spec.get('threads'):
-        torch.set_num_threads(spec['threads'])
-    device = torch.device(spec['device'])
-    dtype = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[spec['dtype']]
-    torch.manual_seed(0)
-    model = build_model(spec['model']).to(device)
-    model.train(spec['mode'] == 'fwdbwd')
-    H, W = spec['size']
-    x = torch.randn(1, 3, H, W, device=device)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+class Case:
+    """One (model, size, mode, dtype) case, built in this process."""
 
-    def sync():
-        if device.type == 'cuda':
-            torch.cuda.synchronize(device)
+    def __init__(self, spec: dict):
+        if spec['model'].endswith('@rev'):
+            if not spec.get('rev_dir'):
+                raise ValueError('NAME@rev models need --rev-dir')
+            sys.path.insert(0, spec['rev_dir'])  # its flatten_mm comes first
+        import torch
+        if spec.get('threads'):
+            torch.set_num_threads(spec['threads'])
+        self.spec, self.torch = spec, torch
+        self.device = torch.device(spec['device'])
+        dtype = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[spec['dtype']]
+        torch.manual_seed(0)
+        self.model = build_model(spec['model']).to(self.device)
+        self.model.train(spec['mode'] == 'fwdbwd')
+        self.x = torch.randn(1, 3, *spec['size'], device=self.device)
+        self.autocast = torch.autocast(self.device.type, dtype=dtype,
+                                       enabled=dtype != torch.float32)
+        if self.device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.held = torch.cuda.memory_allocated(self.device)
+        self.rss_before = rss_bytes()
 
-    def step():
-        if spec['mode'] == 'fwd':
-            with torch.no_grad(), autocast:
-                model(x)
+    def step(self) -> float:
+        """Seconds for one forward (no_grad) or forward + backward."""
+        torch, model = self.torch, self.model
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        if self.spec['mode'] == 'fwd':
+            with torch.no_grad(), self.autocast:
+                model(self.x)
         else:
-            with autocast:
-                outs = model(x)
+            with self.autocast:
+                outs = model(self.x)
             sum(o.float().mean() for o in outs).backward()
             model.zero_grad(set_to_none=True)
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
-    result = dict(spec)
-    if device.type == 'cuda':
-        torch.cuda.reset_peak_memory_stats(device)
-        held = torch.cuda.memory_allocated(device)
-    rss_before = rss_bytes()
-    times = []
-    for i in range(spec['warmup'] + spec['iters']):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        if i >= spec['warmup']:
-            times.append(time.perf_counter() - t0)
-    result['times_ms'] = [1000 * t for t in times]
-    if device.type == 'cuda':
-        result['peak_MiB'] = (torch.cuda.max_memory_allocated(device) - held) / 2 ** 20
-    else:
+    def memory(self) -> dict:
+        torch, model, x = self.torch, self.model, self.x
+        if self.device.type == 'cuda':
+            return dict(peak_MiB=(torch.cuda.max_memory_allocated(self.device) - self.held)
+                        / 2 ** 20)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        result['rss_growth_MiB'] = max(0, peak - rss_before) / 2 ** 20
-        if spec['mode'] == 'fwdbwd':
+        result = dict(rss_growth_MiB=max(0, peak - self.rss_before) / 2 ** 20)
+        if self.spec['mode'] == 'fwdbwd':
             from flatten_mm.analysis import saved_tensor_bytes
-            with autocast:
-                outs, nbytes = saved_tensor_bytes(lambda: model(x),
-                                                  [x, *model.parameters()])
+            with self.autocast:
+                outs, nbytes = saved_tensor_bytes(lambda: model(x), [x, *model.parameters()])
             result['saved_MiB'] = nbytes / 2 ** 20
-            del outs
-    return result
+        return result
+
+
+def run_worker(spec: dict) -> dict:
+    case = Case(spec)
+    times = [case.step() for _ in range(spec['warmup'] + spec['iters'])][spec['warmup']:]
+    return dict(spec, times_ms=[1000 * t for t in times], **case.memory())
+
+
+def serve_worker(spec: dict) -> None:
+    """--paired: warm up, then time one step per 'step' line on stdin."""
+    case = Case(spec)
+    for _ in range(spec['warmup']):
+        case.step()
+    print('READY', flush=True)
+    for line in sys.stdin:
+        if line.strip() != 'step':
+            break
+        print(f'TIME {1000 * case.step()}', flush=True)
+    print('RESULT ' + json.dumps(dict(spec, status='ok', **case.memory())), flush=True)
+
+
+def run_paired(specs: list, steps: int) -> list:
+    """One live worker per model; steps interleaved A, B, A, B, ... so every
+    pair of neighbouring steps saw the same machine."""
+    procs = [subprocess.Popen([sys.executable, __file__, '--serve', json.dumps(s)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for s in specs]
+    results = [dict(s, status='ok', times_ms=[]) for s in specs]
+
+    def reply(i: int, prefix: str):
+        for line in procs[i].stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        results[i]['status'] = f'failed (exit {procs[i].wait()})'
+        return None
+
+    for i in range(len(specs)):
+        reply(i, 'READY')
+    for _ in range(steps):
+        for i, proc in enumerate(procs):
+            if results[i]['status'] != 'ok':
+                continue
+            proc.stdin.write('step\n')
+            proc.stdin.flush()
+            t = reply(i, 'TIME ')
+            if t is not None:
+                results[i]['times_ms'].append(float(t))
+    for i, proc in enumerate(procs):
+        if results[i]['status'] == 'ok':
+            proc.stdin.write('done\n')
+            proc.stdin.flush()
+            text = reply(i, 'RESULT ')
+            if text is not None:
+                results[i].update(json.loads(text), times_ms=results[i]['times_ms'])
+        proc.wait()
+    return results
 
 
 def worker_main(text: str) -> None:
@@ -232,7 +287,7 @@ def summarise(results):
         row = rows.setdefault(key, dict(model=r['model'], size='x'.join(map(str, r['size'])),
                                         pixels=r['size'][0] * r['size'][1], mode=r['mode'],
                                         dtype=r['dtype'], device=r['device'], status='ok',
-                                        times_ms=[]))
+                                        times_ms=[], paired=r.get('paired', False)))
         if r['status'] != 'ok':
             row['status'] = r['status']
             continue
@@ -243,10 +298,17 @@ def summarise(results):
     for row in rows.values():
         row['median_ms'] = statistics.median(row['times_ms']) if row['status'] == 'ok' else None
     for (model, size, mode, dtype), row in rows.items():
-        base = rows.get((baseline_of(model), size, mode, dtype))
+        # a model timed against its own older version (NAME@rev) is compared with that
+        base = rows.get((model + '@rev', size, mode, dtype)) if '@' not in model else None
+        base = base or rows.get((baseline_of(model), size, mode, dtype))
         row['baseline'] = base['model'] if base else None
         if base and row['median_ms'] and base['median_ms']:
             row['time_ratio'] = row['median_ms'] / base['median_ms']
+            if row.get('paired') and len(row['times_ms']) == len(base['times_ms']):
+                # median and range of the step-by-step ratios
+                pairs = sorted(a / b for a, b in zip(row['times_ms'], base['times_ms']))
+                row['time_ratio'] = statistics.median(pairs)
+                row['ratio_range'] = [pairs[0], pairs[-1]]
             for k in ('peak_MiB', 'saved_MiB'):
                 if k in row and base.get(k):
                     row[k.split('_')[0] + '_ratio'] = row[k] / base[k]
@@ -261,7 +323,7 @@ def write_outputs(rows, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / 'results.json').write_text(json.dumps(rows, indent=1))
     fields = ['model', 'baseline', 'size', 'pixels', 'mode', 'dtype', 'device', 'status',
-              'median_ms', 'time_ratio', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
+              'median_ms', 'time_ratio', 'ratio_range', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
               'rss_growth_MiB']
     with open(out_dir / 'results.csv', 'w', newline='') as f:
         writer = csv.DictWriter(f, fields, extrasaction='ignore')
@@ -315,11 +377,12 @@ def plot(rows, path: Path):
 
 def print_table(rows):
     mem = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
-    print(f'| model | size | mode | dtype | median ms | x baseline | {mem} | x baseline | status |')
-    print('|---|---|---|---|---|---|---|---|---|')
+    print(f'| model | size | mode | dtype | median ms | x baseline | range | {mem} | x baseline | status |')
+    print('|---|---|---|---|---|---|---|---|---|---|')
     for r in rows:
+        spread = '-' if 'ratio_range' not in r else '{:.2f}-{:.2f}'.format(*r['ratio_range'])
         print(f"| {r['model']} | {r['size']} | {r['mode']} | {r['dtype']} | "
-              f"{fmt(r['median_ms'])} | {fmt(r.get('time_ratio'), '.2f')} | "
+              f"{fmt(r['median_ms'])} | {fmt(r.get('time_ratio'), '.2f')} | {spread} | "
               f"{fmt(r.get(mem), '.0f')} | {fmt(r.get(mem.split('_')[0] + '_ratio'), '.2f')} | "
               f"{r['status']} |")
 
@@ -344,10 +407,17 @@ def main(argv=None):
                         help='CPU: address-space limit per case (default: 80%% of RAM)')
     parser.add_argument('--out-dir', default='work_dirs/benchmark_backbone')
     parser.add_argument('--rev-dir', help='checkout of another flatten_mm version, for NAME@rev')
+    parser.add_argument('--paired', action='store_true',
+                        help='keep one worker per model alive and interleave single steps; '
+                             'ratios are medians of step-by-step ratios (needs the memory '
+                             'of all models at once)')
     parser.add_argument('--worker', help=argparse.SUPPRESS)
+    parser.add_argument('--serve', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    if args.serve:
+        return serve_worker(json.loads(args.serve))
     try:
         for name in args.models:
             check_model_name(name)
@@ -365,6 +435,16 @@ def main(argv=None):
     for size in args.sizes:
         for mode in args.modes:
             for dtype in args.dtypes:
+                if args.paired:
+                    specs = [dict(model=m, size=size, mode=mode, dtype=dtype, device=args.device,
+                                  threads=args.threads, warmup=args.warmup, paired=True,
+                                  rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
+                             for m in args.models]
+                    for r in run_paired(specs, args.rounds * args.iters):
+                        results.append(r)
+                        print(f"{r['model']} {size[0]}x{size[1]} {mode} {dtype}: {r['status']}, "
+                              f"steps {[round(t) for t in r['times_ms']]} ms", flush=True)
+                    continue
                 for rnd in range(args.rounds):
                     for model in args.models:
                         key = (model, tuple(size), mode, dtype)
