@@ -86,3 +86,39 @@ def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2)):
             assert torch.isfinite(x.grad).all(), (h, w, b)
             for name, p in model.named_parameters():
                 assert p.grad is not None and torch.isfinite(p.grad).all(), (name, h, w, b)
+
+
+def eval_cache_state(model):
+    """Every module's eval-mode cache: its keys and the identity of each value."""
+    return {name: [(key, id(value)) for key, value in m.__dict__.get('_eval_cache', {}).items()]
+            for name, m in model.named_modules()}
+
+
+def assert_eval_cache_reused(model, hw=(45, 67)):
+    """In eval mode without gradients, what depends only on the input size is
+    made once per size: a second forward at that size adds and rebuilds no
+    cache entry, and gives the outputs of the uncached (grad-mode) forward.
+    New weights are never served stale encodings; training drops the caches."""
+    model.eval()
+    x = torch.randn(1, 3, *hw)
+    with torch.no_grad():
+        first = model(x)
+    state = eval_cache_state(model)
+    assert sum(len(v) for v in state.values()) > 0
+    with torch.no_grad():
+        second = model(x)
+    assert eval_cache_state(model) == state
+    uncached = model(x)
+    for a, b, c in zip(first, second, uncached):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c.detach(), rtol=1e-5, atol=1e-5)
+    torch.manual_seed(1)
+    model.load_state_dict({k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v
+                           for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        cached = model(x)
+    for a, c in zip(cached, model(x)):
+        torch.testing.assert_close(a, c.detach(), rtol=1e-5, atol=1e-5)
+    model.train()
+    model(x)
+    assert all('_eval_cache' not in m.__dict__ for m in model.modules())

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from flatten_mm import FocusedLinearAttention, focusing_map, linear_attention
 from flatten_mm.analysis import saved_tensor_bytes
 from flatten_mm.models.attention import reference_forward
-from flatten_mm.models.ops import DepthwiseConvFn, FocusedLinearAttentionFn
+from flatten_mm.models.ops import DepthwiseConvFn, FocusedLinearAttentionFn, TokenMlpFn, token_mlp
 
 
 def random_module(C, heads, sr=1, grid=(5, 6), dtype=torch.float64):
@@ -119,3 +119,53 @@ def test_saved_bytes_linear_in_tokens_softmax_quadratic():
     assert 3.8 < l2 / l1 < 4.2
     # N^2 attention weights plus linear terms: 16x in the limit
     assert 13 < s2 / s1 < 16.5
+
+
+@pytest.mark.parametrize('n,chunk', [(37, 8), (5, 16), (64, 64)])
+def test_token_mlp_equals_plain_mlp(n, chunk):
+    """The chunked MLP: values and every gradient of fc2(gelu(fc1(x))), in
+    chunks that do and do not divide the token count; saves x and fc1(x)
+    only (the plain MLP also keeps the activation)."""
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(6, 24).double(), torch.nn.Linear(24, 6).double()
+    x = torch.randn(2, n, 6, dtype=torch.float64, requires_grad=True)
+    params = [x, fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+    ref = grads(lambda: fc2(F.gelu(fc1(x))), params)
+    got = grads(lambda: TokenMlpFn.apply(*params, chunk), params)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        inference = token_mlp(x.view(-1, 6), *params[1:], chunk)
+    torch.testing.assert_close(inference.view_as(ref[0]), ref[0], rtol=1e-12, atol=1e-12)
+    _, saved = saved_tensor_bytes(lambda: TokenMlpFn.apply(*params, chunk), params)
+    _, saved_plain = saved_tensor_bytes(lambda: fc2(F.gelu(fc1(x))), params)
+    assert saved == 2 * n * 24 * 8  # fc1(x) only: x is the input
+    assert saved_plain >= 2 * saved
+
+
+def test_token_mlp_frozen_weights():
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(6, 24).double(), torch.nn.Linear(24, 6).double()
+    for p in (*fc1.parameters(), *fc2.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(1, 9, 6, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(fc2(F.gelu(fc1(x))).sum(), x)[0]
+    got = torch.autograd.grad(TokenMlpFn.apply(x, fc1.weight, fc1.bias, fc2.weight,
+                                               fc2.bias, 4).sum(), x)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('heads', [1, 3])
+def test_core_in_inference_overwrites_only_when_allowed(heads):
+    """Without gradients the core may run its focused mapping in q's and k's
+    buffers (consume_qk): same output, and the inputs are left alone otherwise."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 11, 3 * heads, dtype=torch.float64) for _ in range(3))
+    s_inv = torch.rand(3 * heads, dtype=torch.float64) + 0.5
+    with torch.no_grad():
+        kept = FocusedLinearAttentionFn.apply(q, k, v, s_inv, 3, heads, None, False)
+        q0, k0 = q.clone(), k.clone()
+        assert torch.equal(q, q0) and torch.equal(k, k0)
+        consumed = FocusedLinearAttentionFn.apply(q, k, v, s_inv, 3, heads, None, True)
+    torch.testing.assert_close(consumed, kept, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(q, q0)  # overwritten, as allowed

@@ -6,7 +6,7 @@ from flatten_mm import FLattenCSwin
 from flatten_mm.models.backbones.flatten_cswin import CSwinBlock, LePEAttention
 
 from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
-                             assert_trains_at_every_size)
+                             assert_eval_cache_reused, assert_trains_at_every_size)
 
 
 def small_cswin(**kw):
@@ -145,3 +145,8 @@ def test_bad_arguments(kwargs, match):
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_autocast_scaled_inputs_are_finite(dtype):
     assert_autocast_finite(small_cswin(), dtype, torch.randn(1, 3, 64, 64) * 100)
+
+
+@pytest.mark.parametrize('attn_type', ['LLSS', 'SSSS'])
+def test_eval_caches_size_dependent_tensors(attn_type):
+    assert_eval_cache_reused(small_cswin(attn_type=attn_type))

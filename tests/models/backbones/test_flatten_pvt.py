@@ -4,7 +4,7 @@ import torch
 from flatten_mm import FLattenPVT, FLattenPVTv2
 
 from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
-                             assert_trains_at_every_size)
+                             assert_eval_cache_reused, assert_trains_at_every_size)
 
 
 def small_pvt(cls=FLattenPVT, **kw):
@@ -101,3 +101,8 @@ def test_bad_input():
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_autocast_scaled_inputs_are_finite(cls, dtype):
     assert_autocast_finite(small_pvt(cls), dtype, torch.randn(1, 3, 64, 64) * 100)
+
+
+@pytest.mark.parametrize('cls', [FLattenPVT, FLattenPVTv2])
+def test_eval_caches_size_dependent_tensors(cls):
+    assert_eval_cache_reused(small_pvt(cls))

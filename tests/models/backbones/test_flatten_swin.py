@@ -7,7 +7,7 @@ from flatten_mm.models.layers import (window_key_mask, window_layout, window_mer
                                       window_partition)
 
 from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
-                             assert_trains_at_every_size)
+                             assert_eval_cache_reused, assert_trains_at_every_size)
 
 
 def small_swin(**kw):
@@ -150,3 +150,8 @@ def test_bias_table_of_another_window_is_resized_on_load():
     assert torch.equal(attn.relative_position_index,
                        FLattenSwin(**kw, window_size=12).layers[2].blocks[0]
                        .attn.relative_position_index)
+
+
+@pytest.mark.parametrize('kw', [{}, dict(linear_window=7)])
+def test_eval_caches_size_dependent_tensors(kw):
+    assert_eval_cache_reused(small_swin(**kw))

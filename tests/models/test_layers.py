@@ -1,0 +1,44 @@
+"""Shared layers: the fused residual of DropPath, the MLP's chunked path."""
+import pytest
+import torch
+
+from flatten_mm.models.layers import DropPath, Mlp
+
+
+def test_drop_path_with_residual_is_one_fused_sum():
+    x, res = torch.randn(4, 5, 3), torch.randn(4, 5, 3)
+    dp = DropPath(0.5).train()
+    torch.manual_seed(0)
+    fused = dp(x, res)
+    torch.manual_seed(0)
+    dropped = dp(x)
+    torch.testing.assert_close(fused, res + dropped)
+    # each sample's branch is dropped whole or kept scaled by 1 / keep
+    dropped_whole = (dropped == 0).flatten(1).all(1)
+    kept_scaled = torch.isclose(dropped, 2 * x).flatten(1).all(1)
+    assert torch.all(dropped_whole | kept_scaled)
+    dp.eval()
+    assert torch.equal(dp(x, res), res + x)
+    with torch.no_grad():  # inference: the sum lands in the branch's buffer
+        branch = x.clone()
+        assert dp(branch, res).data_ptr() == branch.data_ptr()
+    assert torch.equal(branch, res + x)
+
+
+@pytest.mark.parametrize('grad', [True, False])
+def test_mlp_chunked_path_equals_plain(grad):
+    torch.manual_seed(0)
+    mlp = Mlp(8, 32)
+    x = torch.randn(2, 3000, 8)
+    assert mlp._chunked(x)
+    with torch.set_grad_enabled(grad):
+        got = mlp(x)
+    mlp._chunked = lambda x: False
+    with torch.set_grad_enabled(grad):
+        ref = mlp(x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    # paths that keep the plain ops: depth-wise conv, dropout in training, autocast
+    assert not Mlp(8, 32, with_dwconv=True)._chunked(x)
+    assert not Mlp(8, 32, drop=0.1).train()._chunked(x)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert not Mlp(8, 32)._chunked(x)
