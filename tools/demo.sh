@@ -8,6 +8,8 @@
 #   The two runs train side by side, each on half of the cores (DEMO_THREADS
 #   overrides the threads per run): at these image sizes one run does not keep
 #   two cores busy, so two one-thread runs finish sooner than one after the other.
+#   Every DEMO_PROGRESS_EVERY seconds (default 20) a line per run gives the
+#   iterations done, the loss and the ETA; Ctrl-C stops both runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:-work_dirs/demo}
@@ -45,9 +47,29 @@ run() {  # run CONFIG NAME ITERS [CFG_OPTION...]: train, then evaluate with pict
     "median $median per iteration"
 }
 
+progress() {  # every DEMO_PROGRESS_EVERY s: iterations, loss and ETA of both runs
+  local name line
+  set +e +o pipefail  # no log line yet is not an error
+  while sleep "${DEMO_PROGRESS_EVERY:-20}"; do
+    for name in det seg; do
+      line=$(grep -a 'Iter(train)' "$WORK/$name.train.log" 2>/dev/null | tail -n 1 |
+        sed -n 's/.*Iter(train) *\[ *\([0-9]*\)\/\([0-9]*\)\].*eta: *\([0-9:day ,]*[0-9]\).*  loss: \([0-9.]*\).*/iteration \1\/\2, loss \4, eta \3/p')
+      if [ -n "$line" ]; then
+        echo "[demo] $name: $line ($((SECONDS - start)) s)"
+      elif [ -f "$WORK/$name.test.log" ]; then
+        echo "[demo] $name: evaluating ($((SECONDS - start)) s)"
+      else
+        echo "[demo] $name: starting ($((SECONDS - start)) s)"
+      fi
+    done
+  done
+}
+
 echo "[demo] training det ($DET) and seg ($SEG) side by side, $THREADS thread(s) each;" \
   "logs in $WORK/{det,seg}.{train,test}.log, pictures under $WORK/{det,seg}/"
-trap 'kill $(jobs -p) 2>/dev/null; exit 130' INT TERM
+trap 'kill $(jobs -p) 2>/dev/null
+  echo "[demo] stopped; logs so far: $WORK/{det,seg}.train.log"; exit 130' INT TERM
+progress & progress_pid=$!
 run "$DET" det "${MAX_ITERS_DET:-}" {train,val,test}_dataloader.dataset.data_root="$DATA/" \
   {val,test}_evaluator.ann_file="$DATA/annotations/instances_val.json" & det_pid=$!
 run "$SEG" seg "${MAX_ITERS_SEG:-}" {train,val,test}_dataloader.dataset.data_root="$DATA/ade/" &
@@ -55,8 +77,10 @@ seg_pid=$!
 failed=0
 wait $det_pid || failed=1
 wait $seg_pid || failed=1
+kill $progress_pid 2>/dev/null || true
 [ "$failed" = 0 ] || exit 1
-echo "[demo] done in $((SECONDS - start)) s"
+echo "[demo] done in $((SECONDS - start)) s; pictures:" \
+  $(find "$WORK/det" "$WORK/seg" -type d -name pictures 2>/dev/null | sort)
 $PY - "$WORK" <<'PY'
 import json, sys
 work = sys.argv[1]

@@ -11,7 +11,8 @@ from demo_runs import ROOT, run
 
 def test_demo_script_prints_both_result_lines(shapes, tmp_path):
     work = str(tmp_path / 'demo')
-    env = dict(DEMO_DATA=shapes, MAX_ITERS_DET='2', MAX_ITERS_SEG='2', PY=sys.executable)
+    env = dict(DEMO_DATA=shapes, MAX_ITERS_DET='2', MAX_ITERS_SEG='2', PY=sys.executable,
+               DEMO_PROGRESS_EVERY='1')
     out = run('bash', osp.join(ROOT, 'tools/demo.sh'), work, cwd=ROOT, env=env, python=False)
     lines = out.strip().splitlines()
     assert re.fullmatch(r'demo detection bbox_mAP=\d\.\d{3} segm_mAP=\d\.\d{3}', lines[-2]), out
@@ -22,3 +23,9 @@ def test_demo_script_prints_both_result_lines(shapes, tmp_path):
         pics = [f for d, _, fs in os.walk(osp.join(work, name)) if 'pictures' in d
                 for f in fs if f.endswith(('.jpg', '.png'))]
         assert len(pics) == 6, (name, pics)
+        # progress while it runs: a status line per run every DEMO_PROGRESS_EVERY seconds
+        assert re.search(rf'\[demo\] {name}: (starting|evaluating|iteration \d+/\d+, '
+                         rf'loss [\d.]+, eta [\d:]+) \(\d+ s\)', out), out
+    # the end names where the pictures are
+    done = next(line for line in lines if line.startswith('[demo] done in'))
+    assert osp.join(work, 'det') in done and osp.join(work, 'seg') in done, done
