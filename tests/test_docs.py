@@ -94,3 +94,10 @@ def test_commands_in_docs_name_existing_scripts_configs_and_options(doc):
                             assert word.split('=')[0] in known, (doc, cmd, word)
         if words[:2] == ['bash', 'tools/dist_train.sh'] or words[0] == 'make':
             assert osp.isfile(osp.join(ROOT, words[1])) or words[0] == 'make', (doc, cmd)
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=lambda p: osp.relpath(p, ROOT))
+def test_relative_links_resolve(doc):
+    for target in re.findall(r'\]\(([^)#\s]+)(?:#[^)]*)?\)', open(doc).read()):
+        if '://' not in target:
+            assert osp.exists(osp.join(osp.dirname(doc), target)), (doc, target)

@@ -209,10 +209,8 @@ def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
 
     Made by ``reshape`` + ``permute``: ``transpose(1, 2).reshape`` gives the
     same strides except a batch stride of C when B = 1, which mkldnn does not
-    take for channels-last. Its convolutions then fall back to a path 2-5x
-    slower (on 2 CPU cores, forward + backward: PVT's 8x8 stride-8 reduction
-    of 200x334x64 tokens 125 -> 48 ms, PVTv2's 3x3 depth-wise conv on
-    100x167x512 257 -> 85 ms, the attention's DWC 17 -> 3.5 ms forward)."""
+    take for channels-last, and its convolutions then fall back to a path
+    several times slower (docs/design.md, docs/benchmarks.md)."""
     B, _, C = x.shape
     return x.reshape(B, hw_shape[0], hw_shape[1], C).permute(0, 3, 1, 2)
 
