@@ -35,6 +35,8 @@ def test_configs_found():
         'flatten_cswin/upernet_flatten-cswin-t_8xb2-160k_ade20k-512x512.py',
         'demo/mask-rcnn_flatten-pvt-t_fpn_shapes.py',
         'demo/fpn_flatten-pvt-t_shapes.py',
+        'demo/mask-rcnn_flatten-pvtv2-b0_fpn_shapes.py',
+        'demo/fpn_flatten-pvtv2-b0_shapes.py',
         'demo/upernet_flatten-swin-t_shapes.py',
     } <= names
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The built-in demo: make the shapes data, train Mask R-CNN and Semantic FPN with
-# a FLatten-PVT-T backbone on it, evaluate both with the real metrics, draw the
+# a FLatten-PVTv2-B0 backbone on it, evaluate both with the real metrics, draw the
 # predictions, and print the two result lines.
 # Usage: tools/demo.sh [WORK_DIR]
 #   MAX_ITERS_DET / MAX_ITERS_SEG shorten the schedules; DEMO_DATA points the
@@ -15,11 +15,12 @@ cd "$(dirname "$0")/.."
 WORK=${1:-work_dirs/demo}
 PY=${PY:-.venv/bin/python}
 DATA=${DEMO_DATA:-data/shapes}
-DET=configs/demo/mask-rcnn_flatten-pvt-t_fpn_shapes.py
-SEG=configs/demo/fpn_flatten-pvt-t_shapes.py
+DET=configs/demo/mask-rcnn_flatten-pvtv2-b0_fpn_shapes.py
+SEG=configs/demo/fpn_flatten-pvtv2-b0_shapes.py
 CORES=$(nproc)
 THREADS=${DEMO_THREADS:-$(( CORES > 1 ? CORES / 2 : 1 ))}
 mkdir -p "$WORK"
+rm -f "$WORK"/{det,seg}.{train.log,test.log,metrics.json}  # progress reads these
 start=$SECONDS
 
 if [ ! -f "$DATA/annotations/instances_val.json" ]; then
@@ -54,10 +55,12 @@ progress() {  # every DEMO_PROGRESS_EVERY s: iterations, loss and ETA of both ru
     for name in det seg; do
       line=$(grep -a 'Iter(train)' "$WORK/$name.train.log" 2>/dev/null | tail -n 1 |
         sed -n 's/.*Iter(train) *\[ *\([0-9]*\)\/\([0-9]*\)\].*eta: *\([0-9:day ,]*[0-9]\).*  loss: \([0-9.]*\).*/iteration \1\/\2, loss \4, eta \3/p')
-      if [ -n "$line" ]; then
-        echo "[demo] $name: $line ($((SECONDS - start)) s)"
+      if [ -f "$WORK/$name.metrics.json" ]; then
+        continue  # done: its own line said so
       elif [ -f "$WORK/$name.test.log" ]; then
         echo "[demo] $name: evaluating ($((SECONDS - start)) s)"
+      elif [ -n "$line" ]; then
+        echo "[demo] $name: $line ($((SECONDS - start)) s)"
       else
         echo "[demo] $name: starting ($((SECONDS - start)) s)"
       fi

@@ -49,7 +49,8 @@ def test_detection_demo_trains_evaluates_and_draws(shapes, tmp_path):
     assert os.listdir(osp.join(out, 'vis')) == ['00000.jpg']
 
 
-@pytest.mark.parametrize('config', ['fpn_flatten-pvt-t_shapes.py', 'upernet_flatten-swin-t_shapes.py'])
+@pytest.mark.parametrize('config', ['fpn_flatten-pvt-t_shapes.py', 'fpn_flatten-pvtv2-b0_shapes.py',
+                                    'upernet_flatten-swin-t_shapes.py'])
 def test_segmentation_demo_trains_and_evaluates(shapes, tmp_path, config):
     cfg = osp.join(ROOT, 'configs/demo', config)
     work = str(tmp_path / 'seg')
