@@ -343,9 +343,12 @@ def plot(rows, path: Path):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     mem_key = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
+    with_memory = any(mem_key in r for r in rows)  # forward-only CPU runs have none
     models = list(dict.fromkeys(r['model'] for r in rows))
     colour = {m: f'C{i}' for i, m in enumerate(models)}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2 if with_memory else 1, figsize=(12 if with_memory else 6, 4.5),
+                             squeeze=False)
+    axes = axes[0]
     groups = {}
     for r in rows:
         groups.setdefault((r['model'], r['mode'], r['dtype']), []).append(r)
@@ -358,7 +361,7 @@ def plot(rows, path: Path):
             axes[0].plot([r['pixels'] / 1e6 for r in ok], [r['median_ms'] / 1e3 for r in ok],
                          label=label, **style)
             mem = [(r['pixels'] / 1e6, r[mem_key]) for r in ok if mem_key in r]
-            if mem:
+            if mem and with_memory:
                 axes[1].plot(*zip(*mem), label=label, **style)
         for r in rs:
             if r['status'] != 'ok':
@@ -367,7 +370,8 @@ def plot(rows, path: Path):
                 axes[0].annotate(f"{model} {mode}: {r['status']}", (r['pixels'] / 1e6, top),
                                  textcoords='offset points', xytext=(-150, -12), fontsize=7)
     axes[0].set(xlabel='megapixels', ylabel='median seconds per step', title='time')
-    axes[1].set(xlabel='megapixels', ylabel=mem_key.replace('_', ' '), title='memory')
+    if with_memory:
+        axes[1].set(xlabel='megapixels', ylabel=mem_key.replace('_', ' '), title='memory')
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
