@@ -70,8 +70,19 @@ progress() {  # every DEMO_PROGRESS_EVERY s: iterations, loss and ETA of both ru
 
 echo "[demo] training det ($DET) and seg ($SEG) side by side, $THREADS thread(s) each;" \
   "logs in $WORK/{det,seg}.{train,test}.log, pictures under $WORK/{det,seg}/"
-trap 'kill $(jobs -p) 2>/dev/null
-  echo "[demo] stopped; logs so far: $WORK/{det,seg}.train.log"; exit 130' INT TERM
+kill_tree() {  # a process and all its descendants: the runs' python processes ignore
+  local child  # SIGINT (background jobs of a script), so Ctrl-C must stop them here
+  for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+stop() {
+  trap - INT TERM
+  local job
+  for job in $(jobs -p); do kill_tree "$job"; done
+  echo "[demo] stopped; logs so far: $WORK/{det,seg}.train.log"
+  exit 130
+}
+trap stop INT TERM
 progress & progress_pid=$!
 run "$DET" det "${MAX_ITERS_DET:-}" {train,val,test}_dataloader.dataset.data_root="$DATA/" \
   {val,test}_evaluator.ann_file="$DATA/annotations/instances_val.json" & det_pid=$!

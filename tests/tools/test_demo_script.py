@@ -4,7 +4,10 @@ the script ends with the two result lines."""
 import os
 import os.path as osp
 import re
+import signal
+import subprocess
 import sys
+import time
 
 from demo_runs import ROOT, run
 
@@ -29,3 +32,26 @@ def test_demo_script_prints_both_result_lines(shapes, tmp_path):
     # the end names where the pictures are
     done = next(line for line in lines if line.startswith('[demo] done in'))
     assert osp.join(work, 'det') in done and osp.join(work, 'seg') in done, done
+
+
+def test_demo_script_stops_both_runs_on_ctrl_c(shapes, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) stops both training
+    runs, not only the script, and says where the logs are."""
+    work = str(tmp_path / 'demo')
+    env = dict(os.environ, DEMO_DATA=shapes, MAX_ITERS_DET='100000', MAX_ITERS_SEG='100000',
+               PY=sys.executable, DEMO_PROGRESS_EVERY='1')
+    proc = subprocess.Popen(['bash', osp.join(ROOT, 'tools/demo.sh'), work], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not all(
+            osp.exists(osp.join(work, f'{n}.train.log')) and
+            'Iter(train)' in open(osp.join(work, f'{n}.train.log')).read() for n in ('det', 'seg')):
+        time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert f'[demo] stopped; logs so far: {work}/{{det,seg}}.train.log' in out, out
+    time.sleep(1)
+    left = subprocess.run(['pgrep', '-f', work], capture_output=True, text=True).stdout
+    assert left == '', f'processes still running: {left}'
