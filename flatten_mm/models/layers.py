@@ -99,10 +99,7 @@ class Mlp(nn.Module):
         if self._chunked(x):
             args = (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
                     MLP_CHUNK_ROWS)
-            if torch.is_grad_enabled():
-                return TokenMlpFn.apply(x, *args)
-            out = token_mlp(x.reshape(-1, x.shape[-1]), *args)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return TokenMlpFn.apply(x, *args) if torch.is_grad_enabled() else token_mlp(x, *args)
         x = self.fc1(x)
         if hasattr(self, 'dwconv'):
             x = self.dwconv(x, hw_shape)

@@ -266,9 +266,11 @@ MLP_CHUNK_ROWS = 2048
 
 def token_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, chunk: int,
               hidden: Optional[Tensor] = None) -> Tensor:
-    """``fc2(gelu(fc1(x)))`` on (N, C) tokens, ``chunk`` tokens at a time, the
+    """``fc2(gelu(fc1(x)))`` on (..., C) tokens, ``chunk`` tokens at a time, the
     hidden activations in one scratch buffer reused by every chunk. With
-    ``hidden`` (N, D), the pre-activations fc1(x) are kept there."""
+    ``hidden`` (N, D) for the N tokens, the pre-activations fc1(x) are kept there."""
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
     n = x.shape[0]
     scratch = x.new_empty(min(chunk, n), w1.shape[0])
     out = x.new_empty(n, w2.shape[0])
@@ -280,7 +282,7 @@ def token_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, chunk: 
         else:
             torch.ops.aten.gelu_(torch.addmm(b1, x[s:e], w1.t(), out=act))
         torch.addmm(b2, act, w2.t(), out=out[s:e])
-    return out
+    return out.view(*lead, w2.shape[0])
 
 
 class TokenMlpFn(torch.autograd.Function):
@@ -302,10 +304,10 @@ class TokenMlpFn(torch.autograd.Function):
                 chunk: int) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         hidden = x2.new_empty(x2.shape[0], w1.shape[0])
-        out = token_mlp(x2, w1, b1, w2, b2, chunk, hidden)
+        out = token_mlp(x, w1, b1, w2, b2, chunk, hidden)
         ctx.save_for_backward(x2, hidden, w1, w2)
         ctx.chunk = chunk
-        return out.view(*x.shape[:-1], w2.shape[0])
+        return out
 
     @staticmethod
     @once_differentiable

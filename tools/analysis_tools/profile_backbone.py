@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_backbone import build_model, check_model_name, parse_size  # noqa: E402
+from benchmark_backbone import Case, check_model_name, parse_size  # noqa: E402
 
 # op name fragments -> family; the first match wins
 FAMILIES = [
@@ -57,30 +57,12 @@ def leaf_self_times(prof) -> dict:
 
 
 def run_worker(spec: dict) -> dict:
-    import time
-
-    import torch
+    """One warm-up step, then ``iters`` steps of benchmark_backbone's Case under the profiler."""
     from torch.profiler import ProfilerActivity, profile
-    torch.set_num_threads(spec['threads'])
-    torch.manual_seed(0)
-    model = build_model(spec['model'])
-    model.train(spec['mode'] == 'fwdbwd')
-    x = torch.randn(1, 3, *spec['size'])
-
-    def step():
-        if spec['mode'] == 'fwd':
-            with torch.no_grad():
-                model(x)
-        else:
-            sum(o.mean() for o in model(x)).backward()
-            model.zero_grad(set_to_none=True)
-
-    step()
-    t0 = time.perf_counter()
+    case = Case(dict(spec, device='cpu', dtype='fp32'))
+    case.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(spec['iters']):
-            step()
-    wall = (time.perf_counter() - t0) * 1e3 / spec['iters']
+        wall = sum(case.step() for _ in range(spec['iters'])) * 1e3 / spec['iters']
     ops = {k: v / spec['iters'] for k, v in leaf_self_times(prof).items()}
     return dict(spec, wall_ms=wall, ops=ops)
 
