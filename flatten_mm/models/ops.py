@@ -36,17 +36,6 @@ from torch.autograd.function import once_differentiable
 EPS = 1e-6
 
 
-def block_diagonal(m: Tensor) -> Tensor:
-    """(B, h, d, e) blocks -> (B, h*d, h*e) block-diagonal matrices (a view for one head)."""
-    B, h, d, e = m.shape
-    if h == 1:
-        return m[:, 0]
-    # a product with the identity rather than a copy into a diagonal view:
-    # functional, so torch.export and ONNX's decompositions take it as well
-    eye = torch.eye(h, dtype=m.dtype, device=m.device).view(1, h, 1, h, 1)
-    return (m.unsqueeze(3) * eye).reshape(B, h * d, h * e)
-
-
 def heads_mm(x: Tensor, m: Tensor) -> Tensor:
     """Per-head ``x_h @ m_h``: x (B, N, h*d), m (B, h, d, e) -> (B, N, h*e), a new tensor.
 
@@ -74,20 +63,49 @@ def heads_outer(x: Tensor, y: Tensor, num_heads: int) -> Tensor:
                                   y[..., i * e:(i + 1) * e]) for i in range(num_heads)], 1)
 
 
+# heads_dot loops over (image, head) pairs up to this many (windowed attention
+# can bring hundreds of windows; then one element-wise product and a sum)
+HEADS_DOT_MAX_LOOP = 32
+
+
 def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
-    """Per-head dot products of the rows of x (B, N, h*d) with vec (B, 1, h*d) -> (B, N, h),
-    as one matmul with a (h*d, h) matrix holding head i's part of vec in column i."""
-    B, _, C = vec.shape
-    return torch.bmm(x, block_diagonal(vec.view(B, num_heads, C // num_heads, 1)))
+    """Per-head dot products of the rows of x (B, N, h*d) with vec (B, 1, h*d) -> (B, N, h).
+
+    One matrix-vector product per image and head on x's strided column slice,
+    written into a row of a (B, h, N) buffer (returned transposed, as a view):
+    a product with a (h*d, h) block-diagonal matrix instead costs as much as
+    a full (N, C) x (C, C) product on CPUs (BLAS is slow at h output columns).
+    """
+    B, N, C = x.shape
+    h, d = num_heads, C // num_heads
+    if h == 1:
+        return torch.bmm(x, vec.transpose(1, 2))
+    if B * h > HEADS_DOT_MAX_LOOP or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        # traced graphs must not bake the batch size into a loop
+        return torch.linalg.vecdot(x.view(B, N, h, d), vec.view(B, 1, h, d))
+    out = x.new_empty(B, h, N)
+    for b in range(B):
+        for i in range(h):
+            torch.mv(x[b, :, i * d:(i + 1) * d], vec[b, 0, i * d:(i + 1) * d], out=out[b, i])
+    return out.transpose(1, 2)
 
 
 def heads_weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
-    """Per head, sum_n weights[n, i] x[n, head i]: (B, N, h), (B, N, h*d) -> (B, 1, h*d)."""
+    """Per head, sum_n weights[n, i] x[n, head i]: (B, N, h), (B, N, h*d) -> (B, 1, h*d),
+    by matrix-vector products as :func:`heads_dot` (the transposed problem)."""
     B, N, h = weights.shape
-    full = torch.bmm(weights.transpose(1, 2), x)  # (B, h, h*d)
+    d = x.shape[-1] // h
     if h == 1:
-        return full
-    return full.view(B, h, h, -1).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, 1, -1)
+        return torch.bmm(weights.transpose(1, 2), x)
+    if B * h > HEADS_DOT_MAX_LOOP or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        full = torch.bmm(weights.transpose(1, 2), x)  # (B, h, h*d): the diagonal blocks
+        return full.view(B, h, h, d).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, 1, -1)
+    out = x.new_empty(B, 1, h * d)
+    for b in range(B):
+        for i in range(h):
+            torch.mv(x[b, :, i * d:(i + 1) * d].t(), weights[b, :, i],
+                     out=out[b, 0, i * d:(i + 1) * d])
+    return out
 
 
 def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: bool = False):
@@ -151,11 +169,6 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         return parts, rk / tk, share
 
     @staticmethod
-    def _query_weights(uq: Tensor, cq: Tensor, km: Tensor, num_heads: int):
-        den = cq * heads_dot(uq, km, num_heads) + EPS  # (B, N, h)
-        return cq / den, den
-
-    @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
                 num_heads: int, key_mask: Optional[Tensor], consume_qk: bool) -> Tensor:
         B, N, C = q.shape
@@ -168,10 +181,13 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         kv = heads_outer(uk, v, h)  # (B, h, d, d)
         del uk, parts_k
         _, rq, uq, tq = focus(q, s_inv, p, keep_a=False, in_place=in_place)
-        w, _ = FocusedLinearAttentionFn._query_weights(uq, rq / tq, km, h)
+        cq = rq / tq
+        den = cq * heads_dot(uq, km, h) + EPS  # (B, N, h)
+        w = cq / den
         out = heads_mm(uq, kv)  # a new tensor, weighted in place
         out.view(B, N, h, -1).mul_(w.unsqueeze(-1))
-        ctx.save_for_backward(q, k, v, s_inv, kv, km, key_mask)
+        # den is (B, N, h), small: backward need not redo its per-head products
+        ctx.save_for_backward(q, k, v, s_inv, kv, km, den, key_mask)
         ctx.focusing_factor, ctx.num_heads = p, h
         return out
 
@@ -185,7 +201,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out: Tensor):
-        q, k, v, s_inv, kv, km, key_mask = ctx.saved_tensors
+        q, k, v, s_inv, kv, km, den, key_mask = ctx.saved_tensors
         p, h = ctx.focusing_factor, ctx.num_heads
         B, N, C = q.shape
         g = grad_out.contiguous()
@@ -194,7 +210,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         parts_q = focus(q, s_inv, p)
         _, rq, uq, tq = parts_q
         cq = rq / tq
-        w, den = FocusedLinearAttentionFn._query_weights(uq, cq, km, h)
+        w = cq / den
         g_kvt = heads_mm(g, kv.transpose(-1, -2))  # g KV^T, (B, N, C)
         grad_w = torch.linalg.vecdot(g_kvt.view(B, N, h, -1), uq.view(B, N, h, -1))  # g.(u KV)
         grad_w_den2 = grad_w / (den * den)
@@ -225,9 +241,9 @@ class DepthwiseConvFn(torch.autograd.Function):
     gradient as one grouped convolution of x by the output gradient (mkldnn's
     own depth-wise weight gradient is the slowest op of the layer on CPUs).
 
-    x is taken in the layout it comes in (V's own channels-last memory from
-    the attention module: saved as given, no new bytes), and so is the output
-    gradient.
+    x is saved in the layout it comes in (V's own channels-last memory from
+    the attention module: no new bytes); backward takes a transient NCHW copy
+    of it for the weight gradient.
     """
 
     @staticmethod
@@ -249,11 +265,11 @@ class DepthwiseConvFn(torch.autograd.Function):
             grad_x = F.conv2d(grad_out, weight.to(dtype).flip(2, 3), padding=pad, groups=C)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            # F.pad keeps x's channels-last layout (a plain copy); for one
-            # image the reshape is then a view
-            xp = F.pad(x.to(dtype), (pad, pad, pad, pad))
-            grad_w = F.conv2d(xp.reshape(1, B * C, H + 2 * pad, W + 2 * pad),
-                              grad_out.reshape(B * C, 1, H, W), groups=B * C)
+            # x as a plain (NCHW) map and the conv's own zero padding: on CPUs
+            # faster than a padded channels-last copy (docs/benchmarks.md)
+            xc = x.to(dtype).contiguous()
+            grad_w = F.conv2d(xc.view(1, B * C, H, W), grad_out.reshape(B * C, 1, H, W),
+                              padding=pad, groups=B * C)
             grad_w = grad_w.view(B, C, 1, k, k).sum(0, dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad_out.sum((0, 2, 3), dtype=weight.dtype)

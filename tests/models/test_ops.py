@@ -7,7 +7,10 @@ import torch.nn.functional as F
 from flatten_mm import FocusedLinearAttention, focusing_map, linear_attention
 from flatten_mm.analysis import saved_tensor_bytes
 from flatten_mm.models.attention import reference_forward
-from flatten_mm.models.ops import DepthwiseConvFn, FocusedLinearAttentionFn, TokenMlpFn, token_mlp
+from flatten_mm.models import ops
+from flatten_mm.models.ops import (DepthwiseConvFn, FocusedLinearAttentionFn, TokenMlpFn,
+                                   heads_dot, heads_mm, heads_outer, heads_weighted_sum,
+                                   token_mlp)
 
 
 def random_module(C, heads, sr=1, grid=(5, 6), dtype=torch.float64):
@@ -169,3 +172,24 @@ def test_core_in_inference_overwrites_only_when_allowed(heads):
         consumed = FocusedLinearAttentionFn.apply(q, k, v, s_inv, 3, heads, None, True)
     torch.testing.assert_close(consumed, kept, rtol=1e-12, atol=1e-12)
     assert not torch.equal(q, q0)  # overwritten, as allowed
+
+
+# (B, h): one head; a few images (one product per image and head); more
+# image-head pairs than HEADS_DOT_MAX_LOOP (windowed attention: the batched form)
+@pytest.mark.parametrize('B,h', [(1, 1), (2, 3), (ops.HEADS_DOT_MAX_LOOP // 2 + 1, 2)])
+def test_per_head_products_equal_einsum(B, h):
+    torch.manual_seed(0)
+    N, d, e = 13, 4, 5
+    x = torch.randn(B, N, h * d, dtype=torch.float64)
+    y = torch.randn(B, N, h * e, dtype=torch.float64)
+    m = torch.randn(B, h, d, e, dtype=torch.float64)
+    vec = torch.randn(B, 1, h * d, dtype=torch.float64)
+    w = torch.randn(B, N, h, dtype=torch.float64)
+    xh, yh = x.view(B, N, h, d), y.view(B, N, h, e)
+    torch.testing.assert_close(heads_mm(x, m),
+                               torch.einsum('bnhd,bhde->bnhe', xh, m).reshape(B, N, h * e))
+    torch.testing.assert_close(heads_outer(x, y, h), torch.einsum('bnhd,bnhe->bhde', xh, yh))
+    torch.testing.assert_close(heads_dot(x, vec, h),
+                               torch.einsum('bnhd,bhd->bnh', xh, vec.view(B, h, d)))
+    torch.testing.assert_close(heads_weighted_sum(w, x),
+                               torch.einsum('bnh,bnhd->bhd', w, xh).reshape(B, 1, h * d))
