@@ -63,20 +63,40 @@ def test_benchmark_backbone_interleaves_writes_and_survives_oom(tmp_path):
     assert len(by_model['flatten-pvt-t']['times_ms']) == 2  # one per round
     assert by_model['flatten-pvt-t']['baseline'] == 'pvt-t'
     assert by_model['flatten-pvt-t']['time_ratio'] > 0
+    assert len(by_model['flatten-pvt-t']['cpu_ms']) == 2
+    assert by_model['flatten-pvt-t']['cpu_ratio'] > 0
     assert by_model['pvt-t']['saved_MiB'] > 0
     assert (tmp_path / 'results.png').stat().st_size > 0
     with open(tmp_path / 'results.csv') as f:
         assert {r['model'] for r in csv.DictReader(f)} == {'flatten-pvt-t', 'pvt-t'}
 
     # a case that cannot fit is reported, not fatal: give the subprocess a
-    # little more address space than this (already importing) process uses
+    # little more address space than this process uses once it has imported
+    # and built what the worker does (run alone, this test imports less)
+    tool.build_model('pvt-t')
     with open('/proc/self/status') as f:
         vm = int(f.read().split('VmSize:')[1].split()[0]) * 1024
     spec = dict(model='pvt-t', size=[2048, 2048], mode='fwdbwd', dtype='fp32', device='cpu',
-                threads=1, iters=1, warmup=0, mem_limit_gb=vm / 2 ** 30 + 0.5)
+                threads=1, iters=1, warmup=0, mem_limit_gb=vm / 2 ** 30 + 1)
     assert tool.run_case(spec, timeout=300)['status'] == 'out of memory'
     with pytest.raises(SystemExit):
         tool.main(['--models', 'vit-b'])
+
+
+def test_benchmark_backbone_paired_steps(tmp_path, capsys):
+    """--paired: one live worker per model, steps interleaved; the ratios are
+    medians of step-by-step ratios, wall time and CPU time, with their ranges."""
+    tool = load_tool('benchmark_backbone')
+    rows = tool.main(['--models', 'flatten-pvt-t', 'pvt-t', '--sizes', '48', '--modes', 'fwd',
+                      '--rounds', '1', '--iters', '3', '--warmup', '0', '--threads', '1',
+                      '--paired', '--out-dir', str(tmp_path)])
+    row = {r['model']: r for r in rows}['flatten-pvt-t']
+    assert row['status'] == 'ok' and len(row['times_ms']) == len(row['cpu_ms']) == 3
+    lo, hi = row['ratio_range']
+    assert 0 < lo <= row['time_ratio'] <= hi
+    lo, hi = row['cpu_ratio_range']
+    assert 0 < lo <= row['cpu_ratio'] <= hi
+    assert 'CPU-time x baseline' in capsys.readouterr().out
 
 
 def test_get_flops_of_flatten_cswin_tiny_and_its_softmax_form():

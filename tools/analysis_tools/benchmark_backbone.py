@@ -10,7 +10,10 @@ on. Cases are interleaved: for each size/mode/dtype, one subprocess per model
 in turn (A, B, A, B, ...) for ``--rounds`` rounds, so slow drifts of a shared
 machine hit every model alike. Each subprocess times ``--iters`` steps after
 ``--warmup``; the table shows the median over all rounds and the ratio to the
-model's baseline (``flatten-X`` against ``X``; see ``BASELINES``).
+model's baseline (``flatten-X`` against ``X``; see ``BASELINES``). The
+process's CPU time per step (all threads) is reported next to the wall time:
+on a shared machine whose other tenants take CPU away ("steal"), single
+steps' wall times scatter by 20% and more, their CPU times by about 5%.
 
 Memory:
 * CUDA: peak allocated bytes during the steps, above what the model and
@@ -143,11 +146,12 @@ class Case:
         self.rss_before = rss_bytes()
 
     def step(self) -> float:
-        """Seconds for one forward (no_grad) or forward + backward."""
+        """Seconds for one forward (no_grad) or forward + backward; the
+        process's CPU time of the step goes to ``self.cpu_s``."""
         torch, model = self.torch, self.model
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         if self.spec['mode'] == 'fwd':
             with torch.no_grad(), self.autocast:
                 model(self.x)
@@ -158,7 +162,9 @@ class Case:
             model.zero_grad(set_to_none=True)
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        self.cpu_s = time.process_time() - c0
+        return wall
 
     def memory(self) -> dict:
         torch, model, x = self.torch, self.model, self.x
@@ -177,8 +183,13 @@ class Case:
 
 def run_worker(spec: dict) -> dict:
     case = Case(spec)
-    times = [case.step() for _ in range(spec['warmup'] + spec['iters'])][spec['warmup']:]
-    return dict(spec, times_ms=[1000 * t for t in times], **case.memory())
+    times, cpu = [], []
+    for i in range(spec['warmup'] + spec['iters']):
+        wall = case.step()
+        if i >= spec['warmup']:
+            times.append(1000 * wall)
+            cpu.append(1000 * case.cpu_s)
+    return dict(spec, times_ms=times, cpu_ms=cpu, **case.memory())
 
 
 def serve_worker(spec: dict) -> None:
@@ -190,7 +201,8 @@ def serve_worker(spec: dict) -> None:
     for line in sys.stdin:
         if line.strip() != 'step':
             break
-        print(f'TIME {1000 * case.step()}', flush=True)
+        wall = case.step()
+        print(f'TIME {1000 * wall} {1000 * case.cpu_s}', flush=True)
     print('RESULT ' + json.dumps(dict(spec, status='ok', **case.memory())), flush=True)
 
 
@@ -200,7 +212,7 @@ def run_paired(specs: list, steps: int) -> list:
     procs = [subprocess.Popen([sys.executable, __file__, '--serve', json.dumps(s)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for s in specs]
-    results = [dict(s, status='ok', times_ms=[]) for s in specs]
+    results = [dict(s, status='ok', times_ms=[], cpu_ms=[]) for s in specs]
 
     def reply(i: int, prefix: str):
         for line in procs[i].stdout:
@@ -219,14 +231,17 @@ def run_paired(specs: list, steps: int) -> list:
             proc.stdin.flush()
             t = reply(i, 'TIME ')
             if t is not None:
-                results[i]['times_ms'].append(float(t))
+                wall, cpu = t.split()
+                results[i]['times_ms'].append(float(wall))
+                results[i]['cpu_ms'].append(float(cpu))
     for i, proc in enumerate(procs):
         if results[i]['status'] == 'ok':
             proc.stdin.write('done\n')
             proc.stdin.flush()
             text = reply(i, 'RESULT ')
             if text is not None:
-                results[i].update(json.loads(text), times_ms=results[i]['times_ms'])
+                results[i].update(json.loads(text), times_ms=results[i]['times_ms'],
+                                  cpu_ms=results[i]['cpu_ms'])
         proc.wait()
     return results
 
@@ -287,16 +302,18 @@ def summarise(results):
         row = rows.setdefault(key, dict(model=r['model'], size='x'.join(map(str, r['size'])),
                                         pixels=r['size'][0] * r['size'][1], mode=r['mode'],
                                         dtype=r['dtype'], device=r['device'], status='ok',
-                                        times_ms=[], paired=r.get('paired', False)))
+                                        times_ms=[], cpu_ms=[], paired=r.get('paired', False)))
         if r['status'] != 'ok':
             row['status'] = r['status']
             continue
         row['times_ms'] += r['times_ms']
+        row['cpu_ms'] += r.get('cpu_ms', [])
         for k in ('peak_MiB', 'saved_MiB', 'rss_growth_MiB'):
             if k in r:
                 row[k] = max(row.get(k, 0), r[k])
     for row in rows.values():
         row['median_ms'] = statistics.median(row['times_ms']) if row['status'] == 'ok' else None
+        row['cpu_median_ms'] = statistics.median(row['cpu_ms']) if row['cpu_ms'] else None
     for (model, size, mode, dtype), row in rows.items():
         # a model timed against its own older version (NAME@rev) is compared with that
         base = rows.get((model + '@rev', size, mode, dtype)) if '@' not in model else None
@@ -309,6 +326,12 @@ def summarise(results):
                 pairs = sorted(a / b for a, b in zip(row['times_ms'], base['times_ms']))
                 row['time_ratio'] = statistics.median(pairs)
                 row['ratio_range'] = [pairs[0], pairs[-1]]
+            if row['cpu_median_ms'] and base.get('cpu_median_ms'):
+                row['cpu_ratio'] = row['cpu_median_ms'] / base['cpu_median_ms']
+                if row.get('paired') and len(row['cpu_ms']) == len(base['cpu_ms']):
+                    pairs = sorted(a / b for a, b in zip(row['cpu_ms'], base['cpu_ms']))
+                    row['cpu_ratio'] = statistics.median(pairs)
+                    row['cpu_ratio_range'] = [pairs[0], pairs[-1]]
             for k in ('peak_MiB', 'saved_MiB'):
                 if k in row and base.get(k):
                     row[k.split('_')[0] + '_ratio'] = row[k] / base[k]
@@ -323,7 +346,8 @@ def write_outputs(rows, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / 'results.json').write_text(json.dumps(rows, indent=1))
     fields = ['model', 'baseline', 'size', 'pixels', 'mode', 'dtype', 'device', 'status',
-              'median_ms', 'time_ratio', 'ratio_range', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
+              'median_ms', 'time_ratio', 'ratio_range', 'cpu_median_ms', 'cpu_ratio',
+              'cpu_ratio_range', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
               'rss_growth_MiB']
     with open(out_dir / 'results.csv', 'w', newline='') as f:
         writer = csv.DictWriter(f, fields, extrasaction='ignore')
@@ -381,12 +405,17 @@ def plot(rows, path: Path):
 
 def print_table(rows):
     mem = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
-    print(f'| model | size | mode | dtype | median ms | x baseline | range | {mem} | x baseline | status |')
-    print('|---|---|---|---|---|---|---|---|---|---|')
+    print(f'| model | size | mode | dtype | median ms | x baseline | range | CPU-time x baseline '
+          f'| range | {mem} | x baseline | status |')
+    print('|---|---|---|---|---|---|---|---|---|---|---|---|')
+
+    def spread(r, key):
+        return '-' if key not in r else '{:.2f}-{:.2f}'.format(*r[key])
     for r in rows:
-        spread = '-' if 'ratio_range' not in r else '{:.2f}-{:.2f}'.format(*r['ratio_range'])
         print(f"| {r['model']} | {r['size']} | {r['mode']} | {r['dtype']} | "
-              f"{fmt(r['median_ms'])} | {fmt(r.get('time_ratio'), '.2f')} | {spread} | "
+              f"{fmt(r['median_ms'])} | {fmt(r.get('time_ratio'), '.2f')} | "
+              f"{spread(r, 'ratio_range')} | {fmt(r.get('cpu_ratio'), '.2f')} | "
+              f"{spread(r, 'cpu_ratio_range')} | "
               f"{fmt(r.get(mem), '.0f')} | {fmt(r.get(mem.split('_')[0] + '_ratio'), '.2f')} | "
               f"{r['status']} |")
 
