@@ -122,3 +122,14 @@ def test_benchmark_backbone_knows_cswin_and_its_baseline():
     flatten, softmax = tool.build_model('flatten-cswin-t'), tool.build_model('cswin-t')
     assert (flatten.attn_type, softmax.attn_type) == ('LLSS', 'SSSS')
     assert type(flatten) is type(softmax) and flatten.arch == softmax.arch == 'tiny'
+
+
+def test_benchmark_stages_times_each_swin_stage():
+    tool = load_tool('benchmark_stages')
+    # the grids of an 800x1333 image: 4x4 patches (1333 padded to 1336), then odd sides padded
+    assert tool.stage_grids((800, 1333), 4) == [(200, 334), (100, 167), (50, 84), (25, 42)]
+    rows = tool.main(['--size', '64x96', '--rounds', '1', '--threads', '1', '--mode', 'fwd'])
+    assert [r['grid'] for r in rows] == [(16, 24), (8, 12), (4, 6), (2, 3)]
+    assert all(r['ratio'] > 0 and min(r['ms']) > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        tool.main(['--models', 'flatten-pvt-t', 'pvt-t'])
