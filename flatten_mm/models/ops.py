@@ -81,7 +81,8 @@ def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
     if h == 1:
         return torch.bmm(x, vec.transpose(1, 2))
     if B * h > HEADS_DOT_MAX_LOOP or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        # traced graphs must not bake the batch size into a loop
+        # one batched expression: for many windows, for compilers, and for
+        # traced graphs (which must not bake the batch size into a loop)
         return torch.linalg.vecdot(x.view(B, N, h, d), vec.view(B, 1, h, d))
     out = x.new_empty(B, h, N)
     for b in range(B):
