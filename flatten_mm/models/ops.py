@@ -63,9 +63,18 @@ def heads_outer(x: Tensor, y: Tensor, num_heads: int) -> Tensor:
                                   y[..., i * e:(i + 1) * e]) for i in range(num_heads)], 1)
 
 
-# heads_dot loops over (image, head) pairs up to this many (windowed attention
-# can bring hundreds of windows; then one element-wise product and a sum)
+# heads_dot and heads_weighted_sum loop over (image, head) pairs up to this
+# many (windowed attention can bring hundreds of windows)
 HEADS_DOT_MAX_LOOP = 32
+
+
+def loop_over_heads(batch: int, num_heads: int) -> bool:
+    """Whether heads_dot / heads_weighted_sum take one matrix-vector product per
+    image and head rather than one batched expression: not for many windows,
+    not under compilers, not in traced graphs (which must not bake the batch
+    size into a loop)."""
+    return (batch * num_heads <= HEADS_DOT_MAX_LOOP and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing())
 
 
 def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
@@ -80,9 +89,7 @@ def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
     h, d = num_heads, C // num_heads
     if h == 1:
         return torch.bmm(x, vec.transpose(1, 2))
-    if B * h > HEADS_DOT_MAX_LOOP or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        # one batched expression: for many windows, for compilers, and for
-        # traced graphs (which must not bake the batch size into a loop)
+    if not loop_over_heads(B, h):
         return torch.linalg.vecdot(x.view(B, N, h, d), vec.view(B, 1, h, d))
     out = x.new_empty(B, h, N)
     for b in range(B):
@@ -98,9 +105,8 @@ def heads_weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
     d = x.shape[-1] // h
     if h == 1:
         return torch.bmm(weights.transpose(1, 2), x)
-    if B * h > HEADS_DOT_MAX_LOOP or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        full = torch.bmm(weights.transpose(1, 2), x)  # (B, h, h*d): the diagonal blocks
-        return full.view(B, h, h, d).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, 1, -1)
+    if not loop_over_heads(B, h):
+        return torch.einsum('bnh,bnhd->bhd', weights, x.view(B, N, h, d)).reshape(B, 1, h * d)
     out = x.new_empty(B, 1, h * d)
     for b in range(B):
         for i in range(h):

@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Tuple
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,9 +146,9 @@ class Case:
             self.held = torch.cuda.memory_allocated(self.device)
         self.rss_before = rss_bytes()
 
-    def step(self) -> float:
-        """Seconds for one forward (no_grad) or forward + backward; the
-        process's CPU time of the step goes to ``self.cpu_s``."""
+    def step(self) -> Tuple[float, float]:
+        """Wall and process CPU seconds (all threads) for one forward
+        (no_grad) or forward + backward."""
         torch, model = self.torch, self.model
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
@@ -162,9 +163,7 @@ class Case:
             model.zero_grad(set_to_none=True)
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
-        wall = time.perf_counter() - t0
-        self.cpu_s = time.process_time() - c0
-        return wall
+        return time.perf_counter() - t0, time.process_time() - c0
 
     def memory(self) -> dict:
         torch, model, x = self.torch, self.model, self.x
@@ -183,13 +182,9 @@ class Case:
 
 def run_worker(spec: dict) -> dict:
     case = Case(spec)
-    times, cpu = [], []
-    for i in range(spec['warmup'] + spec['iters']):
-        wall = case.step()
-        if i >= spec['warmup']:
-            times.append(1000 * wall)
-            cpu.append(1000 * case.cpu_s)
-    return dict(spec, times_ms=times, cpu_ms=cpu, **case.memory())
+    steps = [case.step() for _ in range(spec['warmup'] + spec['iters'])][spec['warmup']:]
+    return dict(spec, times_ms=[1000 * wall for wall, _ in steps],
+                cpu_ms=[1000 * cpu for _, cpu in steps], **case.memory())
 
 
 def serve_worker(spec: dict) -> None:
@@ -201,8 +196,8 @@ def serve_worker(spec: dict) -> None:
     for line in sys.stdin:
         if line.strip() != 'step':
             break
-        wall = case.step()
-        print(f'TIME {1000 * wall} {1000 * case.cpu_s}', flush=True)
+        wall, cpu = case.step()
+        print(f'TIME {1000 * wall} {1000 * cpu}', flush=True)
     print('RESULT ' + json.dumps(dict(spec, status='ok', **case.memory())), flush=True)
 
 
@@ -320,18 +315,17 @@ def summarise(results):
         base = base or rows.get((baseline_of(model), size, mode, dtype))
         row['baseline'] = base['model'] if base else None
         if base and row['median_ms'] and base['median_ms']:
-            row['time_ratio'] = row['median_ms'] / base['median_ms']
-            if row.get('paired') and len(row['times_ms']) == len(base['times_ms']):
-                # median and range of the step-by-step ratios
-                pairs = sorted(a / b for a, b in zip(row['times_ms'], base['times_ms']))
-                row['time_ratio'] = statistics.median(pairs)
-                row['ratio_range'] = [pairs[0], pairs[-1]]
-            if row['cpu_median_ms'] and base.get('cpu_median_ms'):
-                row['cpu_ratio'] = row['cpu_median_ms'] / base['cpu_median_ms']
-                if row.get('paired') and len(row['cpu_ms']) == len(base['cpu_ms']):
-                    pairs = sorted(a / b for a, b in zip(row['cpu_ms'], base['cpu_ms']))
-                    row['cpu_ratio'] = statistics.median(pairs)
-                    row['cpu_ratio_range'] = [pairs[0], pairs[-1]]
+            for steps, ratio, spread in (('times_ms', 'time_ratio', 'ratio_range'),
+                                         ('cpu_ms', 'cpu_ratio', 'cpu_ratio_range')):
+                ours, theirs = row[steps], base[steps]
+                if not (ours and theirs):
+                    continue
+                row[ratio] = statistics.median(ours) / statistics.median(theirs)
+                if row.get('paired') and len(ours) == len(theirs):
+                    # median and range of the step-by-step ratios
+                    pairs = sorted(a / b for a, b in zip(ours, theirs))
+                    row[ratio] = statistics.median(pairs)
+                    row[spread] = [pairs[0], pairs[-1]]
             for k in ('peak_MiB', 'saved_MiB'):
                 if k in row and base.get(k):
                     row[k.split('_')[0] + '_ratio'] = row[k] / base[k]
