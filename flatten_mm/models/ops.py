@@ -115,18 +115,21 @@ def heads_weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
     return out
 
 
-def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: bool = False):
+def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: bool = False,
+          buffers: Optional[Tuple[Tensor, Tensor]] = None):
     """a, r, u, t of the focused mapping (module docstring); phi(x) = (r / t) * u.
 
     ``a = max(x * s_inv + eps * s_inv, eps * s_inv)``, which is
     ``(relu(x) + eps) * s_inv`` as s_inv > 0, in two passes and one buffer
     (x's own with ``in_place``). Without ``keep_a``, u is computed in a's
-    buffer and a is returned as None.
+    buffer and a is returned as None. ``buffers`` (two tensors of x's shape
+    whose contents are no longer needed) take a and u instead of new ones.
     """
     eps_s = EPS * s_inv
-    a = torch.addcmul(eps_s, x, s_inv, out=x if in_place else None).clamp_min_(eps_s)
+    a_buf, u_buf = buffers if buffers is not None else (None, None)
+    a = torch.addcmul(eps_s, x, s_inv, out=x if in_place else a_buf).clamp_min_(eps_s)
     r = torch.linalg.vector_norm(a, dim=-1, keepdim=True)
-    u = (a / r if keep_a else a.div_(r)).pow_(p)
+    u = (torch.div(a, r, out=u_buf) if keep_a else a.div_(r)).pow_(p)
     t = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
     return (a if keep_a else None), r, u, t
 
@@ -143,9 +146,9 @@ def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Tuple[Tensor, ...]
     """
     a, r, u, t = parts
     c = r / t
-    g = grad_u.addcmul_(u, grad_c * c / (t * t), value=-1)  # G
-    grad_r = grad_c / t - p * torch.linalg.vecdot(g, u).unsqueeze(-1) / r
-    grad_a_p = g.mul_(u).div_(a).addcmul_(a, grad_r / (p * r))  # dL/da / p
+    gu = grad_u.addcmul_(u, grad_c * c / (t * t), value=-1).mul_(u)  # G u, in place
+    grad_r = grad_c / t - p * gu.sum(-1, keepdim=True) / r
+    grad_a_p = gu.div_(a).addcmul_(a, grad_r / (p * r))  # dL/da / p
     grad_s_inv = a.mul_(grad_a_p).sum((0, 1)) * (p / s_inv)  # a is not needed any more
     grad_x = grad_a_p.mul_(p * s_inv)
     # relu's gradient, in place
@@ -164,9 +167,9 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def _keys(k: Tensor, s_inv: Tensor, p: float, key_mask: Optional[Tensor], keep_a: bool,
-              in_place: bool = False):
+              in_place: bool = False, buffers: Optional[Tuple[Tensor, Tensor]] = None):
         """u and c of the keys, and kappa's other factor: 1 / n, or mask / count."""
-        parts = focus(k, s_inv, p, keep_a, in_place)
+        parts = focus(k, s_inv, p, keep_a, in_place, buffers)
         _, rk, uk, tk = parts
         if key_mask is None:
             share = k.new_full((1, 1, 1), 1.0 / k.shape[1])
@@ -215,30 +218,37 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
 
         # queries: out = w * (u KV), w = c / (c * dot + eps), dot = u . km
         parts_q = focus(q, s_inv, p)
-        _, rq, uq, tq = parts_q
+        a_q, rq, uq, tq = parts_q
         cq = rq / tq
         w = cq / den
+        gw = torch.mul(g.view(B, N, h, -1), w.unsqueeze(-1)).view(B, N, C)
+        grad_kv = heads_outer(uq, gw, h)
         g_kvt = heads_mm(g, kv.transpose(-1, -2))  # g KV^T, (B, N, C)
-        grad_w = torch.linalg.vecdot(g_kvt.view(B, N, h, -1), uq.view(B, N, h, -1))  # g.(u KV)
+        # g.(u KV) per head, the product in gw's buffer (free now)
+        grad_w = torch.mul(g_kvt, uq, out=gw).view(B, N, h, -1).sum(-1)
         grad_w_den2 = grad_w / (den * den)
         grad_cq = (grad_w_den2 * EPS).sum(-1, keepdim=True)
         grad_dot = -grad_w_den2 * cq * cq  # (B, N, h)
-        grad_kv = heads_outer(uq, (g.view(B, N, h, -1) * w.unsqueeze(-1)).view(B, N, C), h)
         grad_km = heads_weighted_sum(grad_dot, uq)  # (B, 1, C)
         grad_uq = g_kvt.view(B, N, h, -1).mul_(w.unsqueeze(-1)).addcmul_(
             grad_dot.unsqueeze(-1), km.view(B, 1, h, -1)).view(B, N, C)
-        del g_kvt, uq
+        del g_kvt
         grad_q, grad_s_inv = focus_backward(q, s_inv, p, parts_q, grad_uq, grad_cq)
         del grad_uq, parts_q
 
-        # keys: KV = sum_j kappa_j u_j v_j^T, km = sum_j kappa_j u_j, kappa = c / n (masked)
-        parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask, True)
+        # keys: KV = sum_j kappa_j u_j v_j^T, km = sum_j kappa_j u_j, kappa = c / n (masked);
+        # without key reduction, their focused mapping reuses the queries' buffers
+        same = k.shape == q.shape
+        parts_k, ck, share = FocusedLinearAttentionFn._keys(
+            k, s_inv, p, key_mask, True, buffers=(a_q, uq) if same else None)
+        del a_q, uq
         uk = parts_k[2]
         kappa = ck * share
         grad_v = heads_mm(uk, grad_kv).mul_(kappa)
         grad_uk = heads_mm(v, grad_kv.transpose(-1, -2)).add_(grad_km)
-        grad_ck = torch.linalg.vecdot(grad_uk, uk).unsqueeze(-1) * share
-        del uk
+        gu = torch.mul(grad_uk, uk, out=gw if same else None)
+        grad_ck = gu.sum(-1, keepdim=True).mul_(share)
+        del uk, gu, gw
         grad_k, grad_s_inv_k = focus_backward(k, s_inv, p, parts_k, grad_uk.mul_(kappa), grad_ck)
         return grad_q, grad_k, grad_v, grad_s_inv + grad_s_inv_k, None, None, None, None
 
