@@ -65,6 +65,9 @@ def test_benchmark_backbone_interleaves_writes_and_survives_oom(tmp_path):
     assert by_model['flatten-pvt-t']['time_ratio'] > 0
     assert len(by_model['flatten-pvt-t']['cpu_ms']) == 2
     assert by_model['flatten-pvt-t']['cpu_ratio'] > 0
+    # every step touches some memory for the first time: at least its output maps
+    assert len(by_model['pvt-t']['faulted_MiB']) == 2
+    assert by_model['pvt-t']['faulted_median_MiB'] > 0
     assert by_model['pvt-t']['saved_MiB'] > 0
     assert (tmp_path / 'results.png').stat().st_size > 0
     with open(tmp_path / 'results.csv') as f:
@@ -91,12 +94,15 @@ def test_benchmark_backbone_paired_steps(tmp_path, capsys):
                       '--rounds', '1', '--iters', '3', '--warmup', '0', '--threads', '1',
                       '--paired', '--out-dir', str(tmp_path)])
     row = {r['model']: r for r in rows}['flatten-pvt-t']
-    assert row['status'] == 'ok' and len(row['times_ms']) == len(row['cpu_ms']) == 3
+    assert row['status'] == 'ok'
+    assert len(row['times_ms']) == len(row['cpu_ms']) == len(row['faulted_MiB']) == 3
+    assert all(mib >= 0 for mib in row['faulted_MiB'])
     lo, hi = row['ratio_range']
     assert 0 < lo <= row['time_ratio'] <= hi
     lo, hi = row['cpu_ratio_range']
     assert 0 < lo <= row['cpu_ratio'] <= hi
-    assert 'CPU-time x baseline' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert 'CPU-time x baseline' in out and 'MiB faulted per step' in out
 
 
 def test_get_flops_of_flatten_cswin_tiny_and_its_softmax_form():

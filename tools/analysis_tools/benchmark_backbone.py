@@ -13,7 +13,10 @@ machine hit every model alike. Each subprocess times ``--iters`` steps after
 model's baseline (``flatten-X`` against ``X``; see ``BASELINES``). The
 process's CPU time per step (all threads) is reported next to the wall time:
 on a shared machine whose other tenants take CPU away ("steal"), single
-steps' wall times scatter by 20% and more, their CPU times by about 5%.
+steps' wall times scatter by 20% and more, their CPU times by about 5%. On
+CPUs, so is the memory the step touched for the first time (minor page
+faults): the C library hands big freed buffers back to the kernel, and a
+step whose tensors land on new pages pays for their first touch.
 
 Memory:
 * CUDA: peak allocated bytes during the steps, above what the model and
@@ -42,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Tuple
+from typing import NamedTuple
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +119,14 @@ def build_model(name: str):
 
 # ----------------------------------------------------------------- worker
 
+class Step(NamedTuple):
+    """One timed step: wall and process CPU seconds, and the MiB of memory
+    it touched for the first time (minor page faults; 0 on CUDA)."""
+    wall_s: float
+    cpu_s: float
+    faulted_MiB: float
+
+
 def rss_bytes() -> int:
     with open('/proc/self/statm') as f:
         return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
@@ -146,12 +157,12 @@ class Case:
             self.held = torch.cuda.memory_allocated(self.device)
         self.rss_before = rss_bytes()
 
-    def step(self) -> Tuple[float, float]:
-        """Wall and process CPU seconds (all threads) for one forward
-        (no_grad) or forward + backward."""
+    def step(self) -> Step:
+        """One forward (no_grad) or forward + backward, timed."""
         torch, model = self.torch, self.model
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         c0, t0 = time.process_time(), time.perf_counter()
         if self.spec['mode'] == 'fwd':
             with torch.no_grad(), self.autocast:
@@ -163,7 +174,10 @@ class Case:
             model.zero_grad(set_to_none=True)
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0, time.process_time() - c0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        page = os.sysconf('SC_PAGE_SIZE')
+        return Step(wall, cpu, faults * page / 2 ** 20 if self.device.type == 'cpu' else 0.0)
 
     def memory(self) -> dict:
         torch, model, x = self.torch, self.model, self.x
@@ -183,8 +197,9 @@ class Case:
 def run_worker(spec: dict) -> dict:
     case = Case(spec)
     steps = [case.step() for _ in range(spec['warmup'] + spec['iters'])][spec['warmup']:]
-    return dict(spec, times_ms=[1000 * wall for wall, _ in steps],
-                cpu_ms=[1000 * cpu for _, cpu in steps], **case.memory())
+    return dict(spec, times_ms=[1000 * s.wall_s for s in steps],
+                cpu_ms=[1000 * s.cpu_s for s in steps],
+                faulted_MiB=[s.faulted_MiB for s in steps], **case.memory())
 
 
 def serve_worker(spec: dict) -> None:
@@ -196,8 +211,8 @@ def serve_worker(spec: dict) -> None:
     for line in sys.stdin:
         if line.strip() != 'step':
             break
-        wall, cpu = case.step()
-        print(f'TIME {1000 * wall} {1000 * cpu}', flush=True)
+        s = case.step()
+        print(f'TIME {1000 * s.wall_s} {1000 * s.cpu_s} {s.faulted_MiB}', flush=True)
     print('RESULT ' + json.dumps(dict(spec, status='ok', **case.memory())), flush=True)
 
 
@@ -207,7 +222,8 @@ def run_paired(specs: list, steps: int) -> list:
     procs = [subprocess.Popen([sys.executable, __file__, '--serve', json.dumps(s)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for s in specs]
-    results = [dict(s, status='ok', times_ms=[], cpu_ms=[]) for s in specs]
+    series = ('times_ms', 'cpu_ms', 'faulted_MiB')  # one number per step, in TIME's order
+    results = [dict(s, status='ok', **{k: [] for k in series}) for s in specs]
 
     def reply(i: int, prefix: str):
         for line in procs[i].stdout:
@@ -226,17 +242,15 @@ def run_paired(specs: list, steps: int) -> list:
             proc.stdin.flush()
             t = reply(i, 'TIME ')
             if t is not None:
-                wall, cpu = t.split()
-                results[i]['times_ms'].append(float(wall))
-                results[i]['cpu_ms'].append(float(cpu))
+                for key, value in zip(series, t.split()):
+                    results[i][key].append(float(value))
     for i, proc in enumerate(procs):
         if results[i]['status'] == 'ok':
             proc.stdin.write('done\n')
             proc.stdin.flush()
             text = reply(i, 'RESULT ')
             if text is not None:
-                results[i].update(json.loads(text), times_ms=results[i]['times_ms'],
-                                  cpu_ms=results[i]['cpu_ms'])
+                results[i].update(json.loads(text), **{k: results[i][k] for k in series})
         proc.wait()
     return results
 
@@ -297,18 +311,22 @@ def summarise(results):
         row = rows.setdefault(key, dict(model=r['model'], size='x'.join(map(str, r['size'])),
                                         pixels=r['size'][0] * r['size'][1], mode=r['mode'],
                                         dtype=r['dtype'], device=r['device'], status='ok',
-                                        times_ms=[], cpu_ms=[], paired=r.get('paired', False)))
+                                        times_ms=[], cpu_ms=[], faulted_MiB=[],
+                                        paired=r.get('paired', False)))
         if r['status'] != 'ok':
             row['status'] = r['status']
             continue
         row['times_ms'] += r['times_ms']
         row['cpu_ms'] += r.get('cpu_ms', [])
+        row['faulted_MiB'] += r.get('faulted_MiB', [])
         for k in ('peak_MiB', 'saved_MiB', 'rss_growth_MiB'):
             if k in r:
                 row[k] = max(row.get(k, 0), r[k])
     for row in rows.values():
         row['median_ms'] = statistics.median(row['times_ms']) if row['status'] == 'ok' else None
         row['cpu_median_ms'] = statistics.median(row['cpu_ms']) if row['cpu_ms'] else None
+        row['faulted_median_MiB'] = (statistics.median(row['faulted_MiB'])
+                                     if row['faulted_MiB'] else None)
     for (model, size, mode, dtype), row in rows.items():
         # a model timed against its own older version (NAME@rev) is compared with that
         base = rows.get((model + '@rev', size, mode, dtype)) if '@' not in model else None
@@ -342,7 +360,7 @@ def write_outputs(rows, out_dir: Path):
     fields = ['model', 'baseline', 'size', 'pixels', 'mode', 'dtype', 'device', 'status',
               'median_ms', 'time_ratio', 'ratio_range', 'cpu_median_ms', 'cpu_ratio',
               'cpu_ratio_range', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
-              'rss_growth_MiB']
+              'rss_growth_MiB', 'faulted_median_MiB']
     with open(out_dir / 'results.csv', 'w', newline='') as f:
         writer = csv.DictWriter(f, fields, extrasaction='ignore')
         writer.writeheader()
@@ -400,8 +418,8 @@ def plot(rows, path: Path):
 def print_table(rows):
     mem = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
     print(f'| model | size | mode | dtype | median ms | x baseline | range | CPU-time x baseline '
-          f'| range | {mem} | x baseline | status |')
-    print('|---|---|---|---|---|---|---|---|---|---|---|---|')
+          f'| range | {mem} | x baseline | MiB faulted per step | status |')
+    print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
 
     def spread(r, key):
         return '-' if key not in r else '{:.2f}-{:.2f}'.format(*r[key])
@@ -411,7 +429,7 @@ def print_table(rows):
               f"{spread(r, 'ratio_range')} | {fmt(r.get('cpu_ratio'), '.2f')} | "
               f"{spread(r, 'cpu_ratio_range')} | "
               f"{fmt(r.get(mem), '.0f')} | {fmt(r.get(mem.split('_')[0] + '_ratio'), '.2f')} | "
-              f"{r['status']} |")
+              f"{fmt(r.get('faulted_median_MiB'), '.0f')} | {r['status']} |")
 
 
 def main(argv=None):
