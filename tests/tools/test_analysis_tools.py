@@ -43,12 +43,19 @@ def test_get_flops_of_a_config_and_bad_input(capsys):
 def test_benchmark_attention_reports_ratios(tmp_path):
     tool = load_tool('benchmark_attention')
     rows = tool.main(['--cases', '12x16x32x2', '--repeats', '1', '--variants', 'fast',
-                      'autograd', 'fast-conv2d', '--out', str(tmp_path / 'r.json')])
+                      'autograd', 'fast-conv2d', 'projections', '--out', str(tmp_path / 'r.json')])
     (row,) = rows
     for name in ('fast', 'autograd', 'fast-conv2d'):
         assert row[f'{name}_rel_error'] < 1e-5
+    # the projections alone: timed and their saved bytes counted, no error (another output)
+    assert row['projections_ms'] > 0 and 'projections_rel_error' not in row
+    assert 0 < row['projections_saved_ratio'] < row['reference_saved_ratio']
     assert row['fast_saved_ratio'] < 0.4 and row['reference_saved_ratio'] == 1
     assert row['fast_ms'] > 0 and row['reference_time_ratio'] == 1
+    # --batch: images per step; what backward keeps grows with them
+    (row2,) = tool.main(['--cases', '12x16x32x2', '--repeats', '1', '--batch', '2'])
+    assert row2['batch'] == 2 and row2['fast_rel_error'] < 1e-5
+    assert 1.9 < row2['fast_saved_MiB'] / row['fast_saved_MiB'] < 2.05
     with pytest.raises(SystemExit):
         tool.main(['--cases', '12x16x30x4'])  # C not divisible by heads
 
@@ -92,9 +99,11 @@ def test_benchmark_backbone_paired_steps(tmp_path, capsys):
     tool = load_tool('benchmark_backbone')
     rows = tool.main(['--models', 'flatten-pvt-t', 'pvt-t', '--sizes', '48', '--modes', 'fwd',
                       '--rounds', '1', '--iters', '3', '--warmup', '0', '--threads', '1',
-                      '--paired', '--out-dir', str(tmp_path)])
+                      '--paired', '--batch', '2', '--out-dir', str(tmp_path)])
     row = {r['model']: r for r in rows}['flatten-pvt-t']
-    assert row['status'] == 'ok'
+    assert row['status'] == 'ok' and row['batch'] == 2
+    with open(tmp_path / 'results.csv') as f:
+        assert {r['batch'] for r in csv.DictReader(f)} == {'2'}
     assert len(row['times_ms']) == len(row['cpu_ms']) == len(row['faulted_MiB']) == 3
     assert all(mib >= 0 for mib in row['faulted_MiB'])
     lo, hi = row['ratio_range']
@@ -137,5 +146,14 @@ def test_benchmark_stages_times_each_swin_stage():
     rows = tool.main(['--size', '64x96', '--rounds', '1', '--threads', '1', '--mode', 'fwd'])
     assert [r['grid'] for r in rows] == [(16, 24), (8, 12), (4, 6), (2, 3)]
     assert all(r['ratio'] > 0 and min(r['ms']) > 0 for r in rows)
+    # the attention halves alone, in training: both models' halves run and keep the shape
+    rows = tool.main(['--size', '64x96', '--rounds', '1', '--threads', '1', '--part', 'attention'])
+    assert len(rows) == 4 and all(min(r['ms']) > 0 for r in rows)
+    flatten, swin = (tool.build_model(n) for n in ('flatten-swin-t', 'swin-t'))
+    for name, model in (('flatten-swin-t', flatten), ('swin-t', swin)):
+        block = tool.stage_blocks(name, model)[0][0]
+        x = torch.randn(1, 16 * 24, 96)
+        out = tool.attention_half(block.eval(), x, (16, 24))
+        assert out.shape == x.shape and not torch.equal(out, x)
     with pytest.raises(SystemExit):
         tool.main(['--models', 'flatten-pvt-t', 'pvt-t'])

@@ -7,7 +7,10 @@ medians and ratios to the reference are reported, with the bytes autograd
 saves for backward (unique storages, input and parameters excluded) and the
 relative error of the output. ``--variants autograd fast-conv2d`` adds the
 ablations: the same formula left to autograd, and the hand-written attention
-with the DWC through ``F.conv2d``.
+with the DWC through ``F.conv2d``. ``--variants projections`` times the
+layer's four linear projections (q, k, v, output) alone: the floor of any
+attention layer with these projections, softmax or linear (its output is not
+the layer's, so it has no error column).
 
 Example (the issue's two cases: stages 1 and 2 of an 800x1333 image)::
 
@@ -30,7 +33,8 @@ from flatten_mm.models.attention import (FocusedLinearAttention, focusing_map,  
                                          linear_attention, map_to_tokens, reference_forward,
                                          tokens_to_map)
 
-VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d')
+VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d', 'projections')
+EXACT = ('fast', 'reference', 'autograd', 'fast-conv2d')  # compute the layer's output
 
 
 def torch_dwc(module, v, grid, hw_shape):
@@ -64,6 +68,13 @@ def fast_conv2d_forward(module, x, hw_shape):
     return module.proj(out + torch_dwc(module, v, grid, hw_shape))
 
 
+def projections_forward(module, x, hw_shape):
+    """The layer's q, k, v and output projections, nothing else (no key
+    reduction, no attention): proj(q + k + v)."""
+    q, k, v = module.q(x), *module.kv(x).chunk(2, dim=-1)
+    return module.proj(q + k + v)
+
+
 def parse_case(text: str):
     try:
         H, W, C, heads = (int(v) for v in text.lower().split('x'))
@@ -88,11 +99,13 @@ def run_case(H, W, C, heads, args, device, dtype):
     with torch.no_grad():  # a trained-like scale and encoding, not zeros
         module.scale.normal_(0, 0.5)
         module.positional_encoding.normal_(0, 0.02)
-    x = torch.randn(1, H * W, C, device=device, dtype=dtype, requires_grad=args.mode == 'fwdbwd')
+    x = torch.randn(args.batch, H * W, C, device=device, dtype=dtype,
+                    requires_grad=args.mode == 'fwdbwd')
     every = {'fast': lambda: module(x, (H, W)),
              'reference': lambda: reference_forward(module, x, (H, W)),
              'autograd': lambda: autograd_forward(module, x, (H, W)),
-             'fast-conv2d': lambda: fast_conv2d_forward(module, x, (H, W))}
+             'fast-conv2d': lambda: fast_conv2d_forward(module, x, (H, W)),
+             'projections': lambda: projections_forward(module, x, (H, W))}
     paths = {name: every[name] for name in args.variants}
 
     def step(fn):
@@ -111,12 +124,13 @@ def run_case(H, W, C, heads, args, device, dtype):
             sync(device)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
-    row = dict(case=f'{H}x{W}x{C}x{heads}', mode=args.mode, dtype=str(dtype).split('.')[-1],
+    row = dict(case=f'{H}x{W}x{C}x{heads}', batch=args.batch, mode=args.mode, dtype=str(dtype).split('.')[-1],
                device=str(device), threads=torch.get_num_threads())
     with torch.no_grad():
         ref = every['reference']()
         for name in paths:
-            row[f'{name}_rel_error'] = ((paths[name]() - ref).norm() / ref.norm()).item()
+            if name in EXACT:
+                row[f'{name}_rel_error'] = ((paths[name]() - ref).norm() / ref.norm()).item()
     for name, fn in paths.items():
         row[f'{name}_ms'] = 1000 * statistics.median(times[name])
         row[f'{name}_time_ratio'] = row[f'{name}_ms'] / (1000 * statistics.median(times['reference']))
@@ -137,6 +151,7 @@ def main(argv=None):
     parser.add_argument('--mode', choices=['fwd', 'fwdbwd'], default='fwdbwd')
     parser.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32')
     parser.add_argument('--device', default='cpu')
+    parser.add_argument('--batch', type=int, default=1, help='images per step')
     parser.add_argument('--threads', type=int, default=None, help='CPU threads (torch)')
     parser.add_argument('--sr-ratio', type=int, default=1)
     parser.add_argument('--pos-grid', type=int, default=56,
@@ -145,7 +160,8 @@ def main(argv=None):
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--variants', nargs='+', choices=VARIANTS, default=['fast', 'reference'],
                         help='paths to time; the reference always runs. autograd: the same '
-                        'formula left to autograd; fast-conv2d: the DWC through F.conv2d')
+                        'formula left to autograd; fast-conv2d: the DWC through F.conv2d; '
+                        'projections: the four linear projections alone')
     parser.add_argument('--out', help='write the rows as JSON here')
     args = parser.parse_args(argv)
     args.variants = list(dict.fromkeys(['reference'] + args.variants))
@@ -165,7 +181,8 @@ def main(argv=None):
                     f"| {r[f'{name}_time_ratio']:.2f} |")
             if fwdbwd:
                 line += f" {r[f'{name}_saved_MiB']:.1f} | {r[f'{name}_saved_ratio']:.2f} |"
-            print(line + f" {r[f'{name}_rel_error']:.1e} |")
+            error = r.get(f'{name}_rel_error')
+            print(line + (' - |' if error is None else f' {error:.1e} |'))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows

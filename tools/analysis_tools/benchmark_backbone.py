@@ -149,7 +149,7 @@ class Case:
         torch.manual_seed(0)
         self.model = build_model(spec['model']).to(self.device)
         self.model.train(spec['mode'] == 'fwdbwd')
-        self.x = torch.randn(1, 3, *spec['size'], device=self.device)
+        self.x = torch.randn(spec.get('batch', 1), 3, *spec['size'], device=self.device)
         self.autocast = torch.autocast(self.device.type, dtype=dtype,
                                        enabled=dtype != torch.float32)
         if self.device.type == 'cuda':
@@ -309,7 +309,8 @@ def summarise(results):
     for r in results:
         key = (r['model'], tuple(r['size']), r['mode'], r['dtype'])
         row = rows.setdefault(key, dict(model=r['model'], size='x'.join(map(str, r['size'])),
-                                        pixels=r['size'][0] * r['size'][1], mode=r['mode'],
+                                        pixels=r['size'][0] * r['size'][1],
+                                        batch=r.get('batch', 1), mode=r['mode'],
                                         dtype=r['dtype'], device=r['device'], status='ok',
                                         times_ms=[], cpu_ms=[], faulted_MiB=[],
                                         paired=r.get('paired', False)))
@@ -357,7 +358,7 @@ def fmt(v, spec='.0f'):
 def write_outputs(rows, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / 'results.json').write_text(json.dumps(rows, indent=1))
-    fields = ['model', 'baseline', 'size', 'pixels', 'mode', 'dtype', 'device', 'status',
+    fields = ['model', 'baseline', 'size', 'pixels', 'batch', 'mode', 'dtype', 'device', 'status',
               'median_ms', 'time_ratio', 'ratio_range', 'cpu_median_ms', 'cpu_ratio',
               'cpu_ratio_range', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
               'rss_growth_MiB', 'faulted_median_MiB']
@@ -443,6 +444,7 @@ def main(argv=None):
     parser.add_argument('--dtypes', nargs='+', choices=['fp32', 'bf16', 'fp16'], default=None,
                         help='default: fp32, plus bf16 on a GPU that supports it')
     parser.add_argument('--device', default='cpu')
+    parser.add_argument('--batch', type=int, default=1, help='images per step')
     parser.add_argument('--threads', type=int, default=None, help='CPU threads per case')
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--iters', type=int, default=2, help='timed steps per subprocess')
@@ -482,6 +484,7 @@ def main(argv=None):
             for dtype in args.dtypes:
                 if args.paired:
                     specs = [dict(model=m, size=size, mode=mode, dtype=dtype, device=args.device,
+                                  batch=args.batch,
                                   threads=args.threads, warmup=args.warmup, paired=True,
                                   rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
                              for m in args.models]
@@ -496,6 +499,7 @@ def main(argv=None):
                         if key in failed:
                             continue
                         spec = dict(model=model, size=size, mode=mode, dtype=dtype,
+                                    batch=args.batch,
                                     device=args.device, threads=args.threads,
                                     iters=args.iters, warmup=args.warmup,
                                     mem_limit_gb=args.mem_limit_gb,

@@ -11,7 +11,9 @@ forward under ``no_grad`` in eval mode, or forward + backward of the mean in
 training mode. The models alternate step by step, the order flipped every
 round, so every ratio is taken between neighbouring steps. Printed per stage:
 both medians, the median and range of the step ratios, and each stage's share
-of the first model's total.
+of the first model's total. ``--part attention`` times only each block's
+attention half (LayerNorm, attention with its projections, drop path and
+residual), leaving out the MLP half the two models share.
 """
 import argparse
 import math
@@ -43,14 +45,23 @@ def stage_grids(size, stages: int) -> list:
     return grids
 
 
-def time_stage(torch, blocks, grid, train: bool) -> float:
-    """Seconds for the blocks on one fresh random input of the stage's shape."""
+def attention_half(block, x, grid):
+    """x + attention(norm1(x)) of one block, with its drop path: flatten_mm's
+    SwinBlock (``attention``) or mmdet's (``attn``, drop path inside)."""
+    if hasattr(block, 'attention'):
+        return block.drop_path(block.attention(block.norm1(x), grid), x)
+    return block.attn(block.norm1(x), grid) + x
+
+
+def time_stage(torch, blocks, grid, train: bool, part: str = 'block') -> float:
+    """Seconds for the blocks (or their attention halves) on one fresh random
+    input of the stage's shape."""
     C = blocks[0].norm1.normalized_shape[0]
     x = torch.randn(1, grid[0] * grid[1], C, requires_grad=train)
     t0 = time.perf_counter()
     with torch.set_grad_enabled(train):
         for block in blocks:
-            x = block(x, grid)
+            x = block(x, grid) if part == 'block' else attention_half(block, x, grid)
         if train:
             x.mean().backward()
     return time.perf_counter() - t0
@@ -63,6 +74,8 @@ def main(argv=None):
     parser.add_argument('--size', type=parse_size, default=[800, 1333])
     parser.add_argument('--mode', choices=['fwd', 'fwdbwd'], default='fwdbwd')
     parser.add_argument('--rounds', type=int, default=6)
+    parser.add_argument('--part', choices=['block', 'attention'], default='block',
+                        help="whole blocks, or only their attention halves")
     parser.add_argument('--threads', type=int, default=2)
     args = parser.parse_args(argv)
     for name in args.models:
@@ -90,7 +103,7 @@ def main(argv=None):
         for s, grid in enumerate(grids):
             order = [0, 1] if r % 2 else [1, 0]
             for m in order:
-                t = time_stage(torch, blocks[m][s], grid, train)
+                t = time_stage(torch, blocks[m][s], grid, train, args.part)
                 models[m].zero_grad(set_to_none=True)
                 if r:
                     times[m][s].append(t)
