@@ -123,7 +123,8 @@ def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: boo
     ``(relu(x) + eps) * s_inv`` as s_inv > 0, in two passes and one buffer
     (x's own with ``in_place``). Without ``keep_a``, u is computed in a's
     buffer and a is returned as None. ``buffers`` (two tensors of x's shape
-    whose contents are no longer needed) take a and u instead of new ones.
+    whose contents are no longer needed) take a and u instead of new ones;
+    the a buffer goes unused with ``in_place``, the u buffer without ``keep_a``.
     """
     eps_s = EPS * s_inv
     a_buf, u_buf = buffers if buffers is not None else (None, None)
@@ -237,7 +238,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         del grad_uq, parts_q
 
         # keys: KV = sum_j kappa_j u_j v_j^T, km = sum_j kappa_j u_j, kappa = c / n (masked);
-        # without key reduction, their focused mapping reuses the queries' buffers
+        # when k has q's shape, their focused mapping reuses the queries' buffers
         same = k.shape == q.shape
         parts_k, ck, share = FocusedLinearAttentionFn._keys(
             k, s_inv, p, key_mask, True, buffers=(a_q, uq) if same else None)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
 from flatten_mm.models.attention import (FocusedLinearAttention, focusing_map,  # noqa: E402
                                          linear_attention, map_to_tokens, reference_forward,
-                                         tokens_to_map)
+                                         spatial_reduce, tokens_to_map)
 
 VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d', 'projections')
 EXACT = ('fast', 'reference', 'autograd', 'fast-conv2d')  # compute the layer's output
@@ -69,10 +69,14 @@ def fast_conv2d_forward(module, x, hw_shape):
 
 
 def projections_forward(module, x, hw_shape):
-    """The layer's q, k, v and output projections, nothing else (no key
-    reduction, no attention): proj(q + k + v)."""
-    q, k, v = module.q(x), *module.kv(x).chunk(2, dim=-1)
-    return module.proj(q + k + v)
+    """The layer's q, k, v and output projections, nothing else: k and v
+    from the reduced tokens as the layer takes them (``sr_ratio`` > 1), no
+    attention. proj(q + mean of k + v over the keys)."""
+    q = module.q(x)
+    if module.sr_ratio > 1:
+        x, _ = spatial_reduce(x, hw_shape, module.sr, module.norm)
+    k, v = module.kv(x).chunk(2, dim=-1)
+    return module.proj(q + (k + v).mean(1, keepdim=True))
 
 
 def parse_case(text: str):
@@ -124,8 +128,9 @@ def run_case(H, W, C, heads, args, device, dtype):
             sync(device)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
-    row = dict(case=f'{H}x{W}x{C}x{heads}', batch=args.batch, mode=args.mode, dtype=str(dtype).split('.')[-1],
-               device=str(device), threads=torch.get_num_threads())
+    row = dict(case=f'{H}x{W}x{C}x{heads}', batch=args.batch, mode=args.mode,
+               dtype=str(dtype).split('.')[-1], device=str(device),
+               threads=torch.get_num_threads())
     with torch.no_grad():
         ref = every['reference']()
         for name in paths:

@@ -45,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,10 +121,11 @@ def build_model(name: str):
 
 class Step(NamedTuple):
     """One timed step: wall and process CPU seconds, and the MiB of memory
-    it touched for the first time (minor page faults; 0 on CUDA)."""
+    it touched for the first time (minor page faults; None on CUDA, where
+    the step's memory is the GPU's)."""
     wall_s: float
     cpu_s: float
-    faulted_MiB: float
+    faulted_MiB: Optional[float]
 
 
 def rss_bytes() -> int:
@@ -177,7 +178,7 @@ class Case:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         page = os.sysconf('SC_PAGE_SIZE')
-        return Step(wall, cpu, faults * page / 2 ** 20 if self.device.type == 'cpu' else 0.0)
+        return Step(wall, cpu, faults * page / 2 ** 20 if self.device.type == 'cpu' else None)
 
     def memory(self) -> dict:
         torch, model, x = self.torch, self.model, self.x
@@ -199,7 +200,8 @@ def run_worker(spec: dict) -> dict:
     steps = [case.step() for _ in range(spec['warmup'] + spec['iters'])][spec['warmup']:]
     return dict(spec, times_ms=[1000 * s.wall_s for s in steps],
                 cpu_ms=[1000 * s.cpu_s for s in steps],
-                faulted_MiB=[s.faulted_MiB for s in steps], **case.memory())
+                faulted_MiB=[s.faulted_MiB for s in steps if s.faulted_MiB is not None],
+                **case.memory())
 
 
 def serve_worker(spec: dict) -> None:
@@ -212,7 +214,8 @@ def serve_worker(spec: dict) -> None:
         if line.strip() != 'step':
             break
         s = case.step()
-        print(f'TIME {1000 * s.wall_s} {1000 * s.cpu_s} {s.faulted_MiB}', flush=True)
+        faulted = '-' if s.faulted_MiB is None else s.faulted_MiB
+        print(f'TIME {1000 * s.wall_s} {1000 * s.cpu_s} {faulted}', flush=True)
     print('RESULT ' + json.dumps(dict(spec, status='ok', **case.memory())), flush=True)
 
 
@@ -222,7 +225,8 @@ def run_paired(specs: list, steps: int) -> list:
     procs = [subprocess.Popen([sys.executable, __file__, '--serve', json.dumps(s)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for s in specs]
-    series = ('times_ms', 'cpu_ms', 'faulted_MiB')  # one number per step, in TIME's order
+    # one number per step, in TIME's order ('-': not measured on this device)
+    series = ('times_ms', 'cpu_ms', 'faulted_MiB')
     results = [dict(s, status='ok', **{k: [] for k in series}) for s in specs]
 
     def reply(i: int, prefix: str):
@@ -243,7 +247,8 @@ def run_paired(specs: list, steps: int) -> list:
             t = reply(i, 'TIME ')
             if t is not None:
                 for key, value in zip(series, t.split()):
-                    results[i][key].append(float(value))
+                    if value != '-':
+                        results[i][key].append(float(value))
     for i, proc in enumerate(procs):
         if results[i]['status'] == 'ok':
             proc.stdin.write('done\n')
