@@ -33,7 +33,7 @@ def projection_loss(outs, seed=0):
     """A fixed random projection of the outputs (sums of squares of
     LayerNorm-ed maps are constant, their gradients rounding noise)."""
     g = torch.Generator().manual_seed(seed)
-    return sum((o * torch.randn(o.shape, generator=g)).mean() for o in outs)
+    return sum((o * torch.randn(o.shape, generator=g).to(o.device)).mean() for o in outs)
 
 
 def loss_and_grads(model, x):
@@ -155,3 +155,29 @@ def test_torchscript_is_refused_clearly_and_trace_works(name):
     with torch.no_grad():
         traced = torch.jit.trace(model, x, check_trace=False)
         torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+@pytest.mark.parametrize('kind', sorted(BACKBONES))
+def test_cuda_equals_cpu(kind):
+    """On a GPU, in training mode at an odd size: outputs and every
+    parameter's gradient equal the CPU's (fp32, TF32 off); under bf16
+    autocast the outputs stay finite and near fp32."""
+    model = backbone(kind).train()
+    x = torch.randn(2, 3, 57, 83, generator=torch.Generator().manual_seed(0))
+    want, want_grads = loss_and_grads(model, x)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        model.cuda()
+        got, got_grads = loss_and_grads(model, x.cuda())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+    assert_grads_close({n: g.cpu() for n, g in got_grads.items()}, want_grads, 1e-4)
+    with torch.no_grad(), torch.autocast('cuda', dtype=torch.bfloat16):
+        outs = model(x.cuda())
+    for a, b in zip(outs, want):
+        assert torch.isfinite(a).all()
+        assert ((a.float().cpu() - b).norm() / b.norm()).item() < 3e-2
