@@ -13,10 +13,10 @@ machine hit every model alike. Each subprocess times ``--iters`` steps after
 model's baseline (``flatten-X`` against ``X``; see ``BASELINES``). The
 process's CPU time per step (all threads) is reported next to the wall time:
 on a shared machine whose other tenants take CPU away ("steal"), single
-steps' wall times scatter by 20% and more, their CPU times by about 5%. On
-CPUs, so is the memory the step touched for the first time (minor page
-faults): the C library hands big freed buffers back to the kernel, and a
-step whose tensors land on new pages pays for their first touch.
+steps' wall times scatter by 20% and more, their CPU times by about 5%. So
+is the host memory the step touched for the first time (minor page faults;
+on CPUs the tensors' own): the C library hands big freed buffers back to the
+kernel, and a step whose tensors land on new pages pays for their first touch.
 
 Memory:
 * CUDA: peak allocated bytes during the steps, above what the model and
@@ -45,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,12 +120,12 @@ def build_model(name: str):
 # ----------------------------------------------------------------- worker
 
 class Step(NamedTuple):
-    """One timed step: wall and process CPU seconds, and the MiB of memory
-    it touched for the first time (minor page faults; None on CUDA, where
-    the step's memory is the GPU's)."""
+    """One timed step: wall and process CPU seconds, and the MiB of host
+    memory it touched for the first time (minor page faults; on CUDA only
+    the host side, the GPU's memory is the peak below)."""
     wall_s: float
     cpu_s: float
-    faulted_MiB: Optional[float]
+    faulted_MiB: float
 
 
 def rss_bytes() -> int:
@@ -178,7 +178,7 @@ class Case:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         page = os.sysconf('SC_PAGE_SIZE')
-        return Step(wall, cpu, faults * page / 2 ** 20 if self.device.type == 'cpu' else None)
+        return Step(wall, cpu, faults * page / 2 ** 20)
 
     def memory(self) -> dict:
         torch, model, x = self.torch, self.model, self.x
@@ -200,8 +200,7 @@ def run_worker(spec: dict) -> dict:
     steps = [case.step() for _ in range(spec['warmup'] + spec['iters'])][spec['warmup']:]
     return dict(spec, times_ms=[1000 * s.wall_s for s in steps],
                 cpu_ms=[1000 * s.cpu_s for s in steps],
-                faulted_MiB=[s.faulted_MiB for s in steps if s.faulted_MiB is not None],
-                **case.memory())
+                faulted_MiB=[s.faulted_MiB for s in steps], **case.memory())
 
 
 def serve_worker(spec: dict) -> None:
@@ -214,8 +213,7 @@ def serve_worker(spec: dict) -> None:
         if line.strip() != 'step':
             break
         s = case.step()
-        faulted = '-' if s.faulted_MiB is None else s.faulted_MiB
-        print(f'TIME {1000 * s.wall_s} {1000 * s.cpu_s} {faulted}', flush=True)
+        print(f'TIME {1000 * s.wall_s} {1000 * s.cpu_s} {s.faulted_MiB}', flush=True)
     print('RESULT ' + json.dumps(dict(spec, status='ok', **case.memory())), flush=True)
 
 
@@ -225,8 +223,7 @@ def run_paired(specs: list, steps: int) -> list:
     procs = [subprocess.Popen([sys.executable, __file__, '--serve', json.dumps(s)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for s in specs]
-    # one number per step, in TIME's order ('-': not measured on this device)
-    series = ('times_ms', 'cpu_ms', 'faulted_MiB')
+    series = ('times_ms', 'cpu_ms', 'faulted_MiB')  # one number per step, in TIME's order
     results = [dict(s, status='ok', **{k: [] for k in series}) for s in specs]
 
     def reply(i: int, prefix: str):
@@ -247,8 +244,7 @@ def run_paired(specs: list, steps: int) -> list:
             t = reply(i, 'TIME ')
             if t is not None:
                 for key, value in zip(series, t.split()):
-                    if value != '-':
-                        results[i][key].append(float(value))
+                    results[i][key].append(float(value))
     for i, proc in enumerate(procs):
         if results[i]['status'] == 'ok':
             proc.stdin.write('done\n')
@@ -484,15 +480,14 @@ def main(argv=None):
     if args.mem_limit_gb is None and args.device == 'cpu':
         args.mem_limit_gb = 0.8 * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30
     results, failed = [], set()
+    common = dict(device=args.device, batch=args.batch, threads=args.threads,
+                  warmup=args.warmup, rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
     for size in args.sizes:
         for mode in args.modes:
             for dtype in args.dtypes:
+                case = dict(common, size=size, mode=mode, dtype=dtype)
                 if args.paired:
-                    specs = [dict(model=m, size=size, mode=mode, dtype=dtype, device=args.device,
-                                  batch=args.batch,
-                                  threads=args.threads, warmup=args.warmup, paired=True,
-                                  rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
-                             for m in args.models]
+                    specs = [dict(case, model=m, paired=True) for m in args.models]
                     for r in run_paired(specs, args.rounds * args.iters):
                         results.append(r)
                         print(f"{r['model']} {size[0]}x{size[1]} {mode} {dtype}: {r['status']}, "
@@ -503,12 +498,8 @@ def main(argv=None):
                         key = (model, tuple(size), mode, dtype)
                         if key in failed:
                             continue
-                        spec = dict(model=model, size=size, mode=mode, dtype=dtype,
-                                    batch=args.batch,
-                                    device=args.device, threads=args.threads,
-                                    iters=args.iters, warmup=args.warmup,
-                                    mem_limit_gb=args.mem_limit_gb,
-                                    rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
+                        spec = dict(case, model=model, iters=args.iters,
+                                    mem_limit_gb=args.mem_limit_gb)
                         r = run_case(spec, args.timeout)
                         results.append(r)
                         if r['status'] != 'ok':
