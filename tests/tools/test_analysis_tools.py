@@ -55,7 +55,8 @@ def test_benchmark_attention_reports_ratios(tmp_path):
     # with key reduction the projections take k and v from the reduced tokens, as the layer does
     module = tool.FocusedLinearAttention(32, 2, sr_ratio=2)
     seen = []
-    module.kv.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    # (the reduction's norm: its output tokens are what k and v are projected from)
+    module.norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
     out = tool.projections_forward(module, torch.randn(1, 12 * 16, 32), (12, 16))
     assert out.shape == (1, 12 * 16, 32) and seen == [6 * 8]
     # --batch: images per step; what backward keeps grows with them

@@ -8,9 +8,9 @@ saves for backward (unique storages, input and parameters excluded) and the
 relative error of the output. ``--variants autograd fast-conv2d`` adds the
 ablations: the same formula left to autograd, and the hand-written attention
 with the DWC through ``F.conv2d``. ``--variants projections`` times the
-layer's four linear projections (q, k, v, output) alone: the floor of any
-attention layer with these projections, softmax or linear (its output is not
-the layer's, so it has no error column).
+layer's projections alone (q, k, v as the layer forms them, and the output
+projection): the floor of any attention layer with these projections (its
+output is not the layer's, so it has no error column).
 
 Example (the issue's two cases: stages 1 and 2 of an 800x1333 image)::
 
@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
 from flatten_mm.models.attention import (FocusedLinearAttention, focusing_map,  # noqa: E402
                                          linear_attention, map_to_tokens, reference_forward,
-                                         spatial_reduce, tokens_to_map)
+                                         tokens_to_map)
 
-VARIANTS = ('fast', 'reference', 'autograd', 'fast-conv2d', 'projections')
 EXACT = ('fast', 'reference', 'autograd', 'fast-conv2d')  # compute the layer's output
+VARIANTS = EXACT + ('projections',)
 
 
 def torch_dwc(module, v, grid, hw_shape):
@@ -69,13 +69,10 @@ def fast_conv2d_forward(module, x, hw_shape):
 
 
 def projections_forward(module, x, hw_shape):
-    """The layer's q, k, v and output projections, nothing else: k and v
-    from the reduced tokens as the layer takes them (``sr_ratio`` > 1), no
-    attention. proj(q + mean of k + v over the keys)."""
-    q = module.q(x)
-    if module.sr_ratio > 1:
-        x, _ = spatial_reduce(x, hw_shape, module.sr, module.norm)
-    k, v = module.kv(x).chunk(2, dim=-1)
+    """The layer's own q/k/v step (``project_qkv``: the key reduction, if
+    any, and the positional encoding included) and its output projection, no
+    attention between them: proj(q + mean of k + v over the keys)."""
+    q, k, v, _ = module.project_qkv(x, hw_shape)
     return module.proj(q + (k + v).mean(1, keepdim=True))
 
 
@@ -166,7 +163,7 @@ def main(argv=None):
     parser.add_argument('--variants', nargs='+', choices=VARIANTS, default=['fast', 'reference'],
                         help='paths to time; the reference always runs. autograd: the same '
                         'formula left to autograd; fast-conv2d: the DWC through F.conv2d; '
-                        'projections: the four linear projections alone')
+                        'projections: the layer\'s projections alone (project_qkv and proj)')
     parser.add_argument('--out', help='write the rows as JSON here')
     args = parser.parse_args(argv)
     args.variants = list(dict.fromkeys(['reference'] + args.variants))
