@@ -22,7 +22,11 @@ from collections import Counter
 from typing import Callable, Dict, Iterable, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .models.ops import EPS, focusing_map
+from .models.utils import HWShape, spatial_reduce
 
 #: element-wise operations of the focused mapping per element of q or k:
 #: ReLU, +eps, x1/scale, square-accumulate for |a|, /|a|, the power (counted
@@ -133,3 +137,81 @@ def saved_tensor_bytes(fn: Callable[[], object],
         out = fn()
     return out, sum(seen.values())
 
+
+@torch.no_grad()
+def attention_weights(module: nn.Module, x: Tensor, hw_shape: HWShape,
+                      queries: Tensor) -> Tuple[Tensor, Tensor, HWShape]:
+    """The attention rows of chosen queries of a
+    :class:`~flatten_mm.models.attention.FocusedLinearAttention`, written out explicitly.
+
+    The focused term of the output for query i is ``sum_j w_ij v_j`` with
+    ``w_ij = phi(q_i).phi(k_j) / (n * (phi(q_i).mean_j phi(k_j) + eps))``
+    per head (rows sum to 1 up to eps); the DWC term is not attention and
+    is left out. For comparison, ``softmax(q_i.k_j / sqrt(d))`` on the
+    same q and k (before the focused mapping) is returned too.
+
+    Args:
+        x (Tensor): (1, N, C) tokens on ``hw_shape``.
+        queries (Tensor): (P,) token indices of the queries.
+
+    Returns:
+        tuple: focused weights (P, heads, n), softmax weights (P, heads,
+        n), and the key grid (h, w) with h * w = n.
+    """
+    if x.dim() != 3 or x.shape[0] != 1:
+        raise ValueError(f'attention_weights takes one image, x of shape (1, N, C); '
+                         f'got {tuple(x.shape)}')
+    q, k, _, grid = module.project_qkv(x, hw_shape)
+    q, k = q[0, queries], k[0]
+    scale = F.softplus(module.scale).view(-1)
+    phi_q = focusing_map(q, scale, module.focusing_factor)
+    phi_k = focusing_map(k, scale, module.focusing_factor)
+    P, n, h, d = q.shape[0], k.shape[0], module.num_heads, module.head_dims
+    phi_q, phi_k = phi_q.view(P, h, d), phi_k.view(n, h, d)
+    scores = torch.einsum('phd,nhd->phn', phi_q, phi_k)
+    norm = torch.einsum('phd,hd->ph', phi_q, phi_k.mean(0)) + EPS
+    focused = scores / (n * norm.unsqueeze(-1))
+    logits = torch.einsum('phd,nhd->phn', q.view(P, h, d), k.view(n, h, d))
+    softmax = (logits * d ** -0.5).softmax(-1)
+    return focused, softmax, grid
+
+
+def reference_forward(module: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
+    """The module's forward written step by step in the op order of the
+    official release (ReLU, +eps, /scale, norms, power, renormalise, mean,
+    two n^-1/2-scaled matmuls, DWC on (B*h, d, H, W)); V is resized to the
+    query grid in 2-D. Slow; kept as the yardstick for tests and benchmarks.
+    """
+    B, N, C = x.shape
+    h, d = module.num_heads, module.head_dims
+    q = module.q(x)
+    if module.sr_ratio > 1:
+        x, grid = spatial_reduce(x, hw_shape, module.sr, module.norm)
+    else:
+        grid = tuple(hw_shape)
+    k, v = module.kv(x).chunk(2, dim=-1)
+    k = k + module.positional_encoding_for(grid)
+    n = k.shape[1]
+    scale = F.softplus(module.scale)
+    q = (F.relu(q) + EPS) / scale
+    k = (F.relu(k) + EPS) / scale
+    q_norm = q.norm(dim=-1, keepdim=True)
+    k_norm = k.norm(dim=-1, keepdim=True)
+    q = q ** module.focusing_factor
+    k = k ** module.focusing_factor
+    q = q / q.norm(dim=-1, keepdim=True) * q_norm
+    k = k / k.norm(dim=-1, keepdim=True) * k_norm
+    q = q.reshape(B, N, h, d).permute(0, 2, 1, 3)
+    k = k.reshape(B, n, h, d).permute(0, 2, 1, 3)
+    v = v.reshape(B, n, h, d).permute(0, 2, 1, 3)
+    z = 1 / (q @ k.mean(dim=-2, keepdim=True).transpose(-2, -1) + EPS)
+    kv = (k.transpose(-2, -1) * n ** -0.5) @ (v * n ** -0.5)
+    out = (q @ kv * z).transpose(1, 2).reshape(B, N, C)
+    v_map = v.transpose(-2, -1).reshape(B * h, d, grid[0], grid[1])
+    if tuple(grid) != tuple(hw_shape):
+        v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
+    out = out + module.dwc(v_map).reshape(B, C, N).transpose(1, 2)
+    if hasattr(module, 'get_v'):  # FLatten-CSwin's LePE, over all C channels of V
+        lepe = module.get_v(v.transpose(-2, -1).reshape(B, C, grid[0], grid[1]))
+        out = out + lepe.reshape(B, C, N).transpose(1, 2)
+    return module.proj_drop(module.proj(out))

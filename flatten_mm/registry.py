@@ -125,7 +125,8 @@ def register_fx_leaves() -> None:
     core's hand-written autograd). Everything between them is traced."""
     from timm.layers import register_notrace_function, register_notrace_module
 
-    from .models.attention import FocusedLinearAttention, add_resized, resize_parts
+    from .models.attention import FocusedLinearAttention
+    from .models.resize import add_resized, resize_parts
     from .models.backbones.flatten_cswin import ConvStem, CSwinBlock
     from .models.backbones.flatten_pvt import PatchEmbed
     from .models.backbones.flatten_swin import PatchMerging, SwinBlock

@@ -1,4 +1,5 @@
-from .attention import FocusedLinearAttention, focusing_map, linear_attention
+from .attention import FocusedLinearAttention
+from .ops import focusing_map, linear_attention
 from .backbones import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
 
 __all__ = ['FocusedLinearAttention', 'focusing_map', 'linear_attention',

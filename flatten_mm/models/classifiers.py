@@ -9,7 +9,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple, Union
 from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
-from .attention import HWShape
+from .utils import HWShape
 from .layers import stage_output
 from .backbones.flatten_cswin import FLattenCSwin
 from .backbones.flatten_pvt import FLattenPVT, FLattenPVTv2

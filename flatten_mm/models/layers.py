@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from .attention import (HWShape, add_projections, check_positive_int, eval_cached,
-                        map_to_tokens, spatial_reduce, tokens_to_map)
+from .utils import (HWShape, add_projections, check_positive_int, eval_cached, map_to_tokens,
+                    spatial_reduce, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 
 ATTN_TYPES = ('L', 'S')

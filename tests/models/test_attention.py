@@ -3,7 +3,9 @@ import torch
 import torch.nn.functional as F
 
 from flatten_mm import FocusedLinearAttention
-from flatten_mm.models.attention import EPS, reference_forward, resize_tokens
+from flatten_mm.analysis import reference_forward
+from flatten_mm.models.ops import EPS
+from flatten_mm.models.resize import resize_tokens
 
 
 def make_module(C=32, heads=1, sr=1, grid=(6, 7), **kw):

@@ -9,7 +9,7 @@ import torch
 import flatten_mm  # noqa: F401  (registers the models in timm)
 from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention
 from flatten_mm.models.backbones.flatten_cswin import CSwinBlock
-from flatten_mm.models.attention import reference_forward
+from flatten_mm.analysis import reference_forward
 from flatten_mm.models.backbones.flatten_swin import SwinBlock
 
 from official_format import official_state_dict, randomize, write_official_checkpoint

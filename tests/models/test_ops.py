@@ -5,12 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from flatten_mm import FocusedLinearAttention, focusing_map, linear_attention
-from flatten_mm.analysis import saved_tensor_bytes
-from flatten_mm.models.attention import reference_forward
-from flatten_mm.models import ops
-from flatten_mm.models.ops import (DepthwiseConvFn, FocusedLinearAttentionFn, TokenMlpFn,
-                                   heads_dot, heads_mm, heads_outer, heads_weighted_sum,
-                                   token_mlp)
+from flatten_mm.analysis import reference_forward, saved_tensor_bytes
+from flatten_mm.models.ops import DepthwiseConvFn, FocusedLinearAttentionFn, TokenMlpFn, token_mlp
+from flatten_mm.models.ops import autograd as ops
+from flatten_mm.models.ops.autograd import heads_dot, heads_mm, heads_outer, heads_weighted_sum
 
 
 def random_module(C, heads, sr=1, grid=(5, 6), dtype=torch.float64):

@@ -29,9 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
-from flatten_mm.models.attention import (FocusedLinearAttention, focusing_map,  # noqa: E402
-                                         linear_attention, map_to_tokens, reference_forward,
-                                         tokens_to_map)
+from flatten_mm.analysis import reference_forward  # noqa: E402
+from flatten_mm.models.attention import FocusedLinearAttention  # noqa: E402
+from flatten_mm.models.ops import focusing_map, linear_attention  # noqa: E402
+from flatten_mm.models.utils import map_to_tokens, tokens_to_map  # noqa: E402
 
 EXACT = ('fast', 'reference', 'autograd', 'fast-conv2d')  # compute the layer's output
 VARIANTS = EXACT + ('projections',)

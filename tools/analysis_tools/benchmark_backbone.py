@@ -100,7 +100,8 @@ def build_model(name: str):
                        [FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin]))[family]
         model = cls(arch=arch)
         if variant == 'reference':
-            from flatten_mm.models.attention import FocusedLinearAttention, reference_forward
+            from flatten_mm.analysis import reference_forward
+            from flatten_mm.models.attention import FocusedLinearAttention
             for m in model.modules():
                 if isinstance(m, FocusedLinearAttention):
                     m.forward = (lambda mod: lambda x, hw, key_mask=None:

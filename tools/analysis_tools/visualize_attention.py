@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flatten_mm.models import backbones  # noqa: E402
+from flatten_mm.analysis import attention_weights  # noqa: E402
 from flatten_mm.models.attention import FocusedLinearAttention  # noqa: E402
 
 MEAN = np.array([123.675, 116.28, 103.53], dtype=np.float32)
@@ -130,7 +131,7 @@ def attention_maps(backbone, layer: str, image: torch.Tensor, points) -> dict:
                          'choose a layer with global attention')
     queries = torch.tensor([min(int(y * H), H - 1) * W + min(int(px * W), W - 1)
                             for px, y in points])
-    focused, softmax, grid = layers[layer].attention_weights(x, (H, W), queries)
+    focused, softmax, grid = attention_weights(layers[layer], x, (H, W), queries)
     return dict(focused=focused.numpy(), softmax=softmax.numpy(), grid=np.array(grid),
                 queries=queries.numpy(), query_grid=np.array((H, W)),
                 focused_map=focused.mean(1).reshape(len(points), *grid).numpy(),

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...checkpoint import load_pretrained
-from ..attention import HWShape, check_positive_int, to_2tuple_checked
+from ..utils import HWShape, check_positive_int, to_2tuple_checked
 from ..layers import check_attn_type, check_images, check_stage_list, stage_output
 
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import (FocusedLinearAttention, HWShape, eval_cached, map_to_tokens,
-                         tokens_to_map)
+from ..attention import FocusedLinearAttention
+from ..utils import HWShape, eval_cached, map_to_tokens, tokens_to_map
 from ..layers import (DropPath, Mlp, check_stage_list, drop_path_rates, window_key_mask,
                       window_merge, window_partition)
 from .base import DoublingBackbone

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import (FocusedLinearAttention, HWShape, add_resized, eval_cached, resize_parts,
-                         to_2tuple_checked)
+from ..attention import FocusedLinearAttention
+from ..resize import add_resized, resize_parts
+from ..utils import HWShape, eval_cached, to_2tuple_checked
 from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type, check_images,
                       check_stage_list, drop_path_rates, stage_output)
 from .base import FLattenBackbone

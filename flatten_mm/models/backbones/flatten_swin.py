@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import FocusedLinearAttention, HWShape, eval_cached, to_2tuple_checked
+from ..attention import FocusedLinearAttention
+from ..utils import HWShape, eval_cached, to_2tuple_checked
 from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, drop_path_rates, window_key_mask,
                       window_merge, window_partition)
 from .base import DoublingBackbone

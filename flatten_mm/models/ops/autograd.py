@@ -8,9 +8,6 @@ cannot cheaply rebuild:
 * :class:`FocusedLinearAttentionFn` saves the raw q, k and v (tensors the
   caller holds anyway) and recomputes the focused mapping in backward. Its
   gradients are derived in closed form below.
-* :class:`DepthwiseConvFn` computes the DWC's weight gradient as one grouped
-  convolution (mkldnn's own depth-wise weight gradient is the slowest op of
-  the layer on CPUs).
 
 Notation as in ``attention.py``: q (B, N, C), k and v (B, n, C), h heads of d
 channels, p the focusing factor, eps = 1e-6.
@@ -29,11 +26,10 @@ which equals sum_j phi(q_i).phi(k_j) v_j / (phi(q_i) . mean_j phi(k_j) + eps).
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-EPS = 1e-6
+from .reference import EPS
 
 
 def heads_mm(x: Tensor, m: Tensor) -> Tensor:
@@ -252,124 +248,3 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         del uk, gu, gw
         grad_k, grad_s_inv_k = focus_backward(k, s_inv, p, parts_k, grad_uk.mul_(kappa), grad_ck)
         return grad_q, grad_k, grad_v, grad_s_inv + grad_s_inv_k, None, None, None, None
-
-
-class DepthwiseConvFn(torch.autograd.Function):
-    """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)``, with the weight
-    gradient as one grouped convolution of x by the output gradient (mkldnn's
-    own depth-wise weight gradient is the slowest op of the layer on CPUs).
-
-    x is saved in the layout it comes in (V's own channels-last memory from
-    the attention module: no new bytes); backward takes a transient NCHW copy
-    of it for the weight gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=x.shape[1])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        B, C, H, W = x.shape
-        k = weight.shape[-1]
-        pad = k // 2
-        # under autocast the forward ran in half precision: so does the backward
-        dtype = grad_out.dtype
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = F.conv2d(grad_out, weight.to(dtype).flip(2, 3), padding=pad, groups=C)
-            grad_x = grad_x.to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            # x as a plain (NCHW) map and the conv's own zero padding: on CPUs
-            # faster than a padded channels-last copy (docs/benchmarks.md)
-            xc = x.to(dtype).contiguous()
-            grad_w = F.conv2d(xc.view(1, B * C, H, W), grad_out.reshape(B * C, 1, H, W),
-                              padding=pad, groups=B * C)
-            grad_w = grad_w.view(B, C, 1, k, k).sum(0, dtype=weight.dtype)
-        if ctx.needs_input_grad[2]:
-            grad_b = grad_out.sum((0, 2, 3), dtype=weight.dtype)
-        return grad_x, grad_w, grad_b
-
-
-# tokens per chunk of TokenMlpFn (measured on 2 CPU cores: docs/benchmarks.md)
-MLP_CHUNK_ROWS = 2048
-
-
-def token_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, chunk: int,
-              hidden: Optional[Tensor] = None) -> Tensor:
-    """``fc2(gelu(fc1(x)))`` on (..., C) tokens, ``chunk`` tokens at a time, the
-    hidden activations in one scratch buffer reused by every chunk. With
-    ``hidden`` (N, D) for the N tokens, the pre-activations fc1(x) are kept there."""
-    lead = x.shape[:-1]
-    x = x.reshape(-1, x.shape[-1])
-    n = x.shape[0]
-    scratch = x.new_empty(min(chunk, n), w1.shape[0])
-    out = x.new_empty(n, w2.shape[0])
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        act = scratch[:e - s]
-        if hidden is not None:
-            torch.ops.aten.gelu.out(torch.addmm(b1, x[s:e], w1.t(), out=hidden[s:e]), out=act)
-        else:
-            torch.ops.aten.gelu_(torch.addmm(b1, x[s:e], w1.t(), out=act))
-        torch.addmm(b2, act, w2.t(), out=out[s:e])
-    return out.view(*lead, w2.shape[0])
-
-
-class TokenMlpFn(torch.autograd.Function):
-    """:func:`token_mlp` with a chunked backward.
-
-    The hidden activations (4C per token) exist one chunk at a time, in
-    scratch buffers reused by every chunk, instead of as whole-map tensors of
-    tens to hundreds of MiB: on CPUs each fresh allocation of that size is new
-    pages from the kernel, whose first touch costs as much as the GELU itself.
-    Only x and the pre-activation fc1(x) are saved; backward recomputes the
-    GELU chunk by chunk (the plain MLP keeps the activation as well).
-
-    Args (forward): x (..., C), w1 (D, C), b1 (D,), w2 (C', D), b2 (C',), and
-    the tokens per chunk.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-                chunk: int) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        hidden = x2.new_empty(x2.shape[0], w1.shape[0])
-        out = token_mlp(x, w1, b1, w2, b2, chunk, hidden)
-        ctx.save_for_backward(x2, hidden, w1, w2)
-        ctx.chunk = chunk
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        x2, hidden, w1, w2 = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        n, chunk = x2.shape[0], ctx.chunk
-        grad_x = torch.empty_like(x2) if need_x else None
-        grad_w1 = torch.zeros_like(w1) if need_w1 else None
-        grad_w2 = torch.zeros_like(w2) if need_w2 else None
-        grad_b1 = w1.new_zeros(w1.shape[0]) if need_b1 else None
-        act_buf = x2.new_empty(min(chunk, n), w1.shape[0]) if need_w2 else None
-        grad_buf = x2.new_empty(min(chunk, n), w1.shape[0])
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            h, g = hidden[s:e], g2[s:e]
-            if need_w2:
-                grad_w2.addmm_(g.t(), torch.ops.aten.gelu.out(h, out=act_buf[:e - s]))
-            grad_h = torch.mm(g, w2, out=grad_buf[:e - s])
-            torch.ops.aten.gelu_backward.grad_input(grad_h, h, grad_input=grad_h)  # in place
-            if need_b1:
-                grad_b1 += grad_h.sum(0)
-            if need_w1:
-                grad_w1.addmm_(grad_h.t(), x2[s:e])
-            if need_x:
-                torch.mm(grad_h, w1, out=grad_x[s:e])
-        grad_b2 = g2.sum(0) if need_b2 else None
-        if grad_x is not None:
-            grad_x = grad_x.view(grad_out.shape[:-1] + (x2.shape[1],))
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None

@@ -1,0 +1,22 @@
+"""The attention core: one op (:func:`focused_linear_attention`) with backends,
+and the other hand-written autograd functions of the layers.
+
+Layout: ``reference`` (the formula), ``autograd`` (the PyTorch-ops backend),
+``dispatch`` (the entry point and the backend switch), ``conv`` and ``mlp``
+(the DWC and the chunked token MLP).
+"""
+from .autograd import FocusedLinearAttentionFn
+from .conv import DepthwiseConvFn
+from .dispatch import (available_backends, choose_backend, focused_linear_attention,
+                       get_backend, register_backend, set_backend, use_backend)
+from .dispatch import apply_environment as _apply_environment
+from .mlp import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
+from .reference import EPS, focusing_map, linear_attention
+
+_apply_environment()
+
+__all__ = [
+    'EPS', 'focusing_map', 'linear_attention', 'focused_linear_attention', 'set_backend',
+    'get_backend', 'use_backend', 'available_backends', 'choose_backend', 'register_backend',
+    'FocusedLinearAttentionFn', 'DepthwiseConvFn', 'TokenMlpFn', 'token_mlp', 'MLP_CHUNK_ROWS'
+]

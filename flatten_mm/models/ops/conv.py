@@ -1,0 +1,45 @@
+"""The depth-wise convolution of V with a hand-written weight gradient."""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+
+class DepthwiseConvFn(torch.autograd.Function):
+    """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)``, with the weight
+    gradient as one grouped convolution of x by the output gradient (mkldnn's
+    own depth-wise weight gradient is the slowest op of the layer on CPUs).
+
+    x is saved in the layout it comes in (V's own channels-last memory from
+    the attention module: no new bytes); backward takes a transient NCHW copy
+    of it for the weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=x.shape[1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        B, C, H, W = x.shape
+        k = weight.shape[-1]
+        pad = k // 2
+        # under autocast the forward ran in half precision: so does the backward
+        dtype = grad_out.dtype
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.conv2d(grad_out, weight.to(dtype).flip(2, 3), padding=pad, groups=C)
+            grad_x = grad_x.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            # x as a plain (NCHW) map and the conv's own zero padding: on CPUs
+            # faster than a padded channels-last copy (docs/benchmarks.md)
+            xc = x.to(dtype).contiguous()
+            grad_w = F.conv2d(xc.view(1, B * C, H, W), grad_out.reshape(B * C, 1, H, W),
+                              padding=pad, groups=B * C)
+            grad_w = grad_w.view(B, C, 1, k, k).sum(0, dtype=weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = grad_out.sum((0, 2, 3), dtype=weight.dtype)
+        return grad_x, grad_w, grad_b

@@ -1,0 +1,145 @@
+"""One entry point for the attention core, several backends.
+
+:func:`focused_linear_attention` takes the projected q, k, v and the raw
+``scale`` parameter and returns the focused linear attention of FLATTEN.md
+§2.4-2.5 (the DWC term is the module's). Which backend computes it is chosen
+per call from the tensors (device, dtype, shape), unless one process-wide
+override says otherwise (:func:`set_backend`, or the environment variable
+``FLATTEN_MM_ATTN_BACKEND`` read at import), as timm's fused-attention switch:
+
+* ``'reference'``: the formula with autograd (slow; the yardstick of tests);
+* ``'torch'``: hand-written autograd function on PyTorch ops, fp32 inside
+  (every device; the CPU path);
+* ``'triton'``: fused Triton kernels (CUDA tensors; CPU tensors only under
+  ``TRITON_INTERPRET=1``), registered by :mod:`.triton` when triton imports;
+* ``'auto'`` (default): ``'triton'`` for CUDA tensors it supports, else ``'torch'``.
+
+A backend is a function with :func:`focused_linear_attention`'s signature;
+:func:`register_backend` adds one, with a predicate saying which calls it
+takes under ``'auto'``.
+"""
+import contextlib
+import os
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .autograd import FocusedLinearAttentionFn
+from .reference import focusing_map, linear_attention
+
+Backend = Callable[..., Tensor]
+Supports = Callable[[Tensor, Tensor, Tensor, Optional[Tensor]], bool]
+
+_BACKENDS: Dict[str, Backend] = {}
+_AUTO: Dict[str, Supports] = {}  # backends 'auto' may choose, in registration order
+_OVERRIDE = {'name': 'auto'}
+
+
+def register_backend(name: str, fn: Backend, auto: Optional[Supports] = None) -> None:
+    """Add a backend. With ``auto``, ``'auto'`` picks it for calls where
+    ``auto(q, k, v, key_mask)`` is True (earlier registrations win)."""
+    _BACKENDS[name] = fn
+    if auto is not None:
+        _AUTO[name] = auto
+
+
+def available_backends() -> tuple:
+    """Names :func:`set_backend` takes."""
+    return ('auto', ) + tuple(_BACKENDS)
+
+
+def set_backend(name: str) -> None:
+    """Make every later call use backend ``name`` (``'auto'`` to choose per call)."""
+    if name not in available_backends():
+        raise ValueError(f'attention backend must be one of {available_backends()}, '
+                         f'got {name!r}')
+    _OVERRIDE['name'] = name
+
+
+def get_backend() -> str:
+    """The override in force (``'auto'`` when none)."""
+    return _OVERRIDE['name']
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """:func:`set_backend` for the duration of a ``with`` block."""
+    previous = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _OVERRIDE['name'] = previous
+
+
+def choose_backend(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> str:
+    """The backend a call with these tensors runs on."""
+    name = _OVERRIDE['name']
+    if name != 'auto':
+        return name
+    for candidate, supports in _AUTO.items():
+        if supports(q, k, v, key_mask):
+            return candidate
+    return 'torch'
+
+
+def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
+                             focusing_factor: float, num_heads: int,
+                             key_mask: Optional[Tensor] = None,
+                             consume_qk: bool = False) -> Tensor:
+    """Focused linear attention of projected q (B, N, C), k and v (B, n, C).
+
+    Args:
+        scale (Tensor): the learnable scale parameter (C elements); the
+            mapping divides by ``softplus(scale)``.
+        focusing_factor (float): the power p.
+        num_heads (int): heads h; C = h * d.
+        key_mask (Tensor, optional): (B, n) bool, False for keys (padding)
+            that take no part in any query's attention.
+        consume_qk (bool): q and k may be overwritten when no gradient is
+            recorded (saves two buffers in inference).
+
+    Returns:
+        Tensor: (B, N, C) in v's dtype.
+    """
+    name = choose_backend(q, k, v, key_mask)
+    return _BACKENDS[name](q, k, v, scale, focusing_factor, num_heads, key_mask, consume_qk)
+
+
+def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
+                   num_heads: int, key_mask: Optional[Tensor], consume_qk: bool) -> Tensor:
+    """The hand-written autograd function, in fp32 under half precision."""
+    dtype = v.dtype
+    ct = torch.promote_types(dtype, torch.float32)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        s_inv = 1.0 / F.softplus(scale.to(ct)).view(-1)
+        out = FocusedLinearAttentionFn.apply(q.to(ct), k.to(ct), v.to(ct), s_inv,
+                                             focusing_factor, num_heads, key_mask, consume_qk)
+    return out.to(dtype)
+
+
+def _reference_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
+                       num_heads: int, key_mask: Optional[Tensor], consume_qk: bool) -> Tensor:
+    """The formula with autograd, in fp32 under half precision."""
+    dtype = v.dtype
+    ct = torch.promote_types(dtype, torch.float32)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        s = F.softplus(scale.to(ct)).view(-1)
+        out = linear_attention(focusing_map(q.to(ct), s, focusing_factor),
+                               focusing_map(k.to(ct), s, focusing_factor), v.to(ct),
+                               num_heads, key_mask)
+    return out.to(dtype)
+
+
+register_backend('torch', _torch_backend)
+register_backend('reference', _reference_backend)
+
+
+def apply_environment() -> None:
+    """Take the override from ``FLATTEN_MM_ATTN_BACKEND`` if set (called once
+    the package has registered its backends)."""
+    name = os.environ.get('FLATTEN_MM_ATTN_BACKEND')
+    if name:
+        set_backend(name)
