@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import DepthwiseConvFn, focused_linear_attention
+from .ops import depthwise_conv, focused_linear_attention
 from .resize import add_resized, resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, check_positive_int, eval_cached, map_to_tokens,
                     spatial_reduce, tokens_to_map, to_2tuple_checked)
@@ -157,7 +157,7 @@ class FocusedLinearAttention(nn.Module):
             weight = F.pad(weight, [(k - weight.shape[-1]) // 2] * 4) + \
                 F.pad(self.get_v.weight, [(k - 3) // 2] * 4)
             bias = bias + self.get_v.bias
-        return map_to_tokens(DepthwiseConvFn.apply(v_map, weight, bias))
+        return map_to_tokens(depthwise_conv(v_map, weight, bias))
 
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
         """

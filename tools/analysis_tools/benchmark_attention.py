@@ -5,7 +5,9 @@ official op order; the fast path is the module's own forward. All paths run on
 the same module, weights and input, interleaved (fast, reference, fast, ...);
 medians and ratios to the reference are reported, with the bytes autograd
 saves for backward (unique storages, input and parameters excluded) and the
-relative error of the output. ``--variants autograd fast-conv2d`` adds the
+relative error of the output. ``--variants fast-torch fast-triton`` force
+the core's backend (``fast`` lets it choose: Triton for CUDA tensors,
+PyTorch ops elsewhere). ``--variants autograd fast-conv2d`` adds the
 ablations: the same formula left to autograd, and the hand-written attention
 with the DWC through ``F.conv2d``. ``--variants projections`` times the
 layer's projections alone (q, k, v as the layer forms them, and the output
@@ -31,10 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
 from flatten_mm.analysis import reference_forward  # noqa: E402
 from flatten_mm.models.attention import FocusedLinearAttention  # noqa: E402
-from flatten_mm.models.ops import focusing_map, linear_attention  # noqa: E402
+from flatten_mm.models.ops import focusing_map, linear_attention, use_backend  # noqa: E402
 from flatten_mm.models.utils import map_to_tokens, tokens_to_map  # noqa: E402
 
-EXACT = ('fast', 'reference', 'autograd', 'fast-conv2d')  # compute the layer's output
+# compute the layer's output; 'fast' lets the core choose its backend,
+# 'fast-torch' / 'fast-triton' force one
+EXACT = ('fast', 'fast-torch', 'fast-triton', 'reference', 'autograd', 'fast-conv2d')
 VARIANTS = EXACT + ('projections',)
 
 
@@ -67,6 +71,12 @@ def fast_conv2d_forward(module, x, hw_shape):
     q, k, v, grid = module.project_qkv(x, hw_shape)
     out = module.attend(q, k, v, None)
     return module.proj(out + torch_dwc(module, v, grid, hw_shape))
+
+
+def backend_forward(module, x, hw_shape, backend):
+    """The module's forward with the attention core on one backend."""
+    with use_backend(backend):
+        return module(x, hw_shape)
 
 
 def projections_forward(module, x, hw_shape):
@@ -106,6 +116,8 @@ def run_case(H, W, C, heads, args, device, dtype):
     every = {'fast': lambda: module(x, (H, W)),
              'reference': lambda: reference_forward(module, x, (H, W)),
              'autograd': lambda: autograd_forward(module, x, (H, W)),
+             'fast-torch': lambda: backend_forward(module, x, (H, W), 'torch'),
+             'fast-triton': lambda: backend_forward(module, x, (H, W), 'triton'),
              'fast-conv2d': lambda: fast_conv2d_forward(module, x, (H, W)),
              'projections': lambda: projections_forward(module, x, (H, W))}
     paths = {name: every[name] for name in args.variants}

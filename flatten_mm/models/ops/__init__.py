@@ -6,7 +6,7 @@ Layout: ``reference`` (the formula), ``autograd`` (the PyTorch-ops backend),
 (the DWC and the chunked token MLP).
 """
 from .autograd import FocusedLinearAttentionFn
-from .conv import DepthwiseConvFn
+from .conv import DepthwiseConvFn, depthwise_conv
 from .dispatch import (available_backends, choose_backend, focused_linear_attention,
                        get_backend, register_backend, set_backend, use_backend)
 from .dispatch import apply_environment as _apply_environment
@@ -18,5 +18,5 @@ _apply_environment()
 __all__ = [
     'EPS', 'focusing_map', 'linear_attention', 'focused_linear_attention', 'set_backend',
     'get_backend', 'use_backend', 'available_backends', 'choose_backend', 'register_backend',
-    'FocusedLinearAttentionFn', 'DepthwiseConvFn', 'TokenMlpFn', 'token_mlp', 'MLP_CHUNK_ROWS'
+    'FocusedLinearAttentionFn', 'DepthwiseConvFn', 'depthwise_conv', 'TokenMlpFn', 'token_mlp', 'MLP_CHUNK_ROWS'
 ]
