@@ -170,11 +170,12 @@ def _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p):
 
 
 @triton.jit
-def _query_terms(q_ptr, g_ptr, stats_ptr, s_inv, kv, km, b, tok, col0, cols, N, R, D,
+def _query_terms(q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
                  stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE: tl.constexpr,
                  PREC: tl.constexpr):
     """Backward quantities of one block of queries and one head: x, a, u, c, t,
-    w, A = g KV^T (gradient of u KV), the gradient gy of w and gd of u . km."""
+    w (0 past the last token), A = g KV^T (gradient of u KV), the gradients gy of w
+    and gd of u . km; kv_t is KV^T as a dot operand."""
     x = _load_rows(q_ptr, b, tok, col0, cols, N, D, stride_qb, stride_qn).to(tl.float32)
     g = _load_rows(g_ptr, b, tok, col0, cols, N, D, stride_gb, stride_gn)
     m = _load_stat(stats_ptr, 0, b, tok, N, R)
@@ -182,8 +183,8 @@ def _query_terms(q_ptr, g_ptr, stats_ptr, s_inv, kv, km, b, tok, col0, cols, N, 
     t = _load_stat(stats_ptr, 2, b, tok, N, R)
     a, u = _focus(x, s_inv, m, cols < D, p)
     den = c * tl.sum(u * km[None, :], axis=1) + _EPS
-    w = c / den
-    grad_uk = tl.dot(g.to(DOT_DTYPE), tl.trans(kv).to(DOT_DTYPE), input_precision=PREC)
+    w = tl.where(tok < N, c / den, 0.0)
+    grad_uk = tl.dot(g.to(DOT_DTYPE), kv_t, input_precision=PREC)
     gy = tl.sum(u * grad_uk, axis=1)
     gd = -gy * c * c / (den * den)  # w = c / (c dot + eps): dw/ddot = -c^2 / den^2
     return x, g, a, u, c, t, den, w, grad_uk, gy, gd
@@ -205,15 +206,15 @@ def _query_state_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr,
     cmask = cols < D
     R = N * (tl.num_programs(0) // h)
     s_inv = tl.load(s_inv_ptr + head * D + cols, mask=cmask, other=1.0)
-    kv = _load_state(kv_ptr, bh, cols, D)
+    kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
     km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
     dkv = tl.zeros([BD, BD], dtype=tl.float32)
     dkm = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         _, g, _, u, c, _, den, w, _, gy, gd = _query_terms(
-            q_ptr, g_ptr, stats_ptr, s_inv, kv, km, b, tok, head * D, cols, N, R, D, stride_qb,
-            stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
+            q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, head * D, cols, N, R, D,
+            stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
         tl.store(gc_ptr + (b * N + tok) * h + head, gy * _EPS / (den * den), mask=tok < N)
         wu = (u * w[:, None]).to(DOT_DTYPE)
         dkv = tl.dot(tl.trans(wu), g.to(DOT_DTYPE), dkv, input_precision=PREC)
@@ -249,14 +250,14 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
     cmask = cols < D
     R = N * (tl.num_programs(0) // h)
     s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
-    kv = _load_state(kv_ptr, bh, cols, D)
+    kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
     km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
     ds = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         x, _, a, u, c, t, _, w, grad_uk, _, gd = _query_terms(
-            q_ptr, g_ptr, stats_ptr, s_inv, kv, km, b, tok, col0, cols, N, R, D, stride_qb,
-            stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
+            q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
+            stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
         grad_u = w[:, None] * grad_uk + gd[:, None] * km[None, :]
         grad_c = _row_sum_over_heads(gc_ptr, b, tok, N, h, BH)
         grad_x, grad_s = _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p)
@@ -266,11 +267,12 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
 
 
 @triton.jit
-def _key_terms(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv, dkm, inv_count, b, tok, col0, cols,
-               n, R, D, stride_kb, stride_kn, stride_vb, stride_vn, stride_mb, p,
+def _key_terms(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok,
+               col0, cols, n, R, D, stride_kb, stride_kn, stride_vb, stride_vn, stride_mb, p,
                HAS_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward quantities of one block of keys and one head: x, a, u, c, t,
-    share (mask / count), and Bm = v dKV^T + dkm (u's gradient over kappa)."""
+    share (mask / count), and Bm = v dKV^T + dkm (u's gradient over kappa);
+    dkv_op is dKV as a dot operand."""
     keep = tok < n
     if HAS_MASK:
         keep = keep & (tl.load(mask_ptr + b * stride_mb + tok, mask=tok < n, other=0) != 0)
@@ -282,7 +284,7 @@ def _key_terms(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv, dkm, inv_count, b,
     a, u = _focus(x, s_inv, m, cols < D, p)
     vv = _load_rows(v_ptr, b, tok, col0, cols, n, D, stride_vb, stride_vn)
     vv = tl.where(keep[:, None], vv, 0.0).to(DOT_DTYPE)
-    bm = tl.dot(vv, tl.trans(dkv).to(DOT_DTYPE), input_precision=PREC) + dkm[None, :]
+    bm = tl.dot(vv, tl.trans(dkv_op), input_precision=PREC) + dkm[None, :]
     return x, a, u, c, t, share, bm
 
 
@@ -301,14 +303,15 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
     cmask = cols < D
     tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s_inv = tl.load(s_inv_ptr + head * D + cols, mask=cmask, other=1.0)
-    dkv = _load_state(dkv_ptr, bh, cols, D)
+    dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
     dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
     inv_count = tl.load(inv_count_ptr + b)
     _, _, u, c, _, share, bm = _key_terms(
-        k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv, dkm, inv_count, b, tok, head * D, cols, n,
+        k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok, head * D,
+        cols, n,
         n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn, stride_mb,
         p, HAS_MASK, DOT_DTYPE, PREC)
-    dv = tl.dot(u.to(DOT_DTYPE), dkv.to(DOT_DTYPE), input_precision=PREC) * (c * share)[:, None]
+    dv = tl.dot(u.to(DOT_DTYPE), dkv_op, input_precision=PREC) * (c * share)[:, None]
     _store_rows(dv_ptr, dv, b, tok, head * D, cols, n, D, stride_db, stride_dn)
     tl.store(gc_ptr + (b * n + tok) * h + head, share * tl.sum(u * bm, axis=1), mask=tok < n)
 
@@ -328,14 +331,15 @@ def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_
     cols = tl.arange(0, BD)
     cmask = cols < D
     s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
-    dkv = _load_state(dkv_ptr, bh, cols, D)
+    dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
     dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
     inv_count = tl.load(inv_count_ptr + b)
     ds = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         x, a, u, c, t, share, bm = _key_terms(
-            k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv, dkm, inv_count, b, tok, col0, cols,
+            k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok, col0,
+            cols,
             n, n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn,
             stride_mb, p, HAS_MASK, DOT_DTYPE, PREC)
         grad_c = _row_sum_over_heads(gc_ptr, b, tok, n, h, BH)
@@ -382,13 +386,13 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype) -> Plan:
         blocks = triton.cdiv(tokens, block_n)
         per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * 132, bh))))
     chunks = max(1, triton.cdiv(tokens, block_n * per))
-    # tl.dot on bf16 operands is wrong under the interpreter: fp32 operands there
-    half = dtype in (torch.float16, torch.bfloat16) and not (INTERPRETED and
-                                                            dtype == torch.bfloat16)
-    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype] if half else \
-        tl.float32
-    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return Plan(block_n, per, chunks, bd, dot_dtype, 'tf32' if half or tf32 else 'ieee')
+    # bf16 operands for bf16 (fp32's exponent range); fp16 inputs get tf32 dots
+    # instead: fp16's precision without its range (the states and u^p of a large
+    # p leave it). tl.dot on bf16 is wrong under the interpreter: fp32 there.
+    bf16 = dtype == torch.bfloat16 and not INTERPRETED
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    return Plan(block_n, per, chunks, bd, tl.bfloat16 if bf16 else tl.float32,
+                'ieee' if exact else 'tf32')
 
 
 def row_stats(x: Tensor, s_inv: Tensor, p: float) -> Tensor:
