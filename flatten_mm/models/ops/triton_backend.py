@@ -50,7 +50,8 @@ Head widths up to :data:`MAX_HEAD_DIM`, padded to a power of two >= 16 for
 ``tl.dot``; ``'auto'`` sends wider heads to the torch backend.
 """
 import os
-from typing import Optional, Tuple
+from types import ModuleType
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNELS = {}
 
 
-def kernels():
+def kernels() -> ModuleType:
     """The kernels module, imported on first use (see the module docstring)."""
     if 'module' not in _KERNELS:
         from . import triton_kernels
@@ -129,7 +130,7 @@ def _backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Ten
             s_inv.new_empty(s_inv.shape))
 
 
-def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, s_inv, focusing_factor, num_heads, key_mask = inputs
     _, kv, km, stats_q, stats_k = output
     ctx.save_for_backward(q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask)
@@ -137,7 +138,7 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
     ctx.mark_non_differentiable(kv, km, stats_q, stats_k)
 
 
-def _backward(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
+def _backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple:
     """Autograd formula of the forward op: the backward op (the states' and
     statistics' gradients are ignored: they are non-differentiable outputs)."""
     q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask = ctx.saved_tensors

@@ -11,6 +11,9 @@ Notation (autograd.py's): per token row x of q or k over all C channels,
 ``KV = sum_j kappa_j u_j v_j^T`` and ``km = sum_j kappa_j u_j`` with
 ``kappa_j = c_j mask_j / count``; for a query, ``den = c (u . km) + eps``,
 ``w = c / den`` and ``out = w (u KV)``.
+
+The ``@triton.jit`` functions carry no Python type hints: Triton reads a
+parameter's annotation as a compile-time type (``tl.constexpr`` marks those).
 """
 import os
 from typing import NamedTuple, Optional, Tuple

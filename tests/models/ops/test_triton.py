@@ -90,3 +90,104 @@ def test_bf16_matches_reference():
     # under the interpreter bf16 loads and stores, fp32 dot operands (tl.dot on
     # bf16 is wrong there); on CUDA the real bf16 dots
     check(torch.bfloat16, 2, 37, 37, 64, 2, 3.0, True)
+
+
+def test_registered_and_not_auto_on_cpu():
+    assert 'triton' in available_backends()
+    q, k, v, *_ = inputs(1, 4, 4, 8, torch.float32, device='cpu')
+    assert not tb.supports(q, k, v, None)  # 'auto' never sends CPU tensors here
+
+
+def test_clear_errors(monkeypatch):
+    q, k, v, scale, _, _ = inputs(1, 5, 5, 8, torch.float32, device='cpu')
+    with use_backend('triton'):
+        with pytest.raises(ValueError, match='num_heads'):
+            focused_linear_attention(q, k, v, scale, 3.0, 3)
+        with pytest.raises(ValueError, match='float64'):
+            focused_linear_attention(q.double(), k, v, scale, 3.0, 2)
+        with pytest.raises(ValueError, match='key_mask'):
+            focused_linear_attention(q, k, v, scale, 3.0, 2, torch.ones(1, 4, dtype=torch.bool))
+        big = torch.zeros(1, 2, 2 * (tb.MAX_HEAD_DIM + 1))
+        with pytest.raises(ValueError, match=f'd={tb.MAX_HEAD_DIM + 1}'):
+            focused_linear_attention(big, big, big, big[0, 0], 3.0, 2)
+        monkeypatch.setattr(tb, 'interpreted', lambda: False)
+        with pytest.raises(RuntimeError, match='TRITON_INTERPRET'):
+            focused_linear_attention(q, k, v, scale, 3.0, 2)
+
+
+def op_args(masked):
+    q, k, v, scale, mask, _ = inputs(2, 19, 7, 48, torch.float32, masked)
+    s_inv = (1.0 / F.softplus(scale)).reshape(-1)
+    return [t.requires_grad_() for t in (q, k, v, s_inv)] + [3.0, 2, mask]
+
+
+@pytest.mark.parametrize('masked', [False, True])
+def test_opcheck(masked):
+    """Schema, fake implementation, autograd registration and AOT dispatch of both ops."""
+    args = op_args(masked)
+    torch.library.opcheck(torch.ops.flatten_mm.triton_attention.default, args)
+    out, kv, km, stats_q, stats_k = torch.ops.flatten_mm.triton_attention(*args)
+    g = torch.randn_like(out)
+    bwd_args = [g] + [a.detach() if torch.is_tensor(a) else a for a in args[:4]] + \
+        [kv, km, stats_q, stats_k] + args[4:]
+    torch.library.opcheck(torch.ops.flatten_mm.triton_attention_backward.default, bwd_args)
+
+
+def test_compile_fullgraph_one_op_each():
+    """torch.compile(fullgraph=True) traces the dispatch call into the forward op, and
+    AOT autograd's backward graph into the backward op; results equal eager."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def record(gm, _):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == 'call_function'})
+        return make_boxed_func(gm.forward)
+
+    def f(q, k, v, scale, mask):
+        return focused_linear_attention(q, k, v, scale, 3.0, 2, mask) * 2
+
+    q, k, v, scale, mask, g = inputs(2, 19, 7, 48, torch.float32, True)
+    torch._dynamo.reset()
+    with use_backend('triton'):
+        compiled = torch.compile(f, fullgraph=True,
+                                 backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        got = run_fn(compiled, q, k, v, scale, mask, g)
+        want = run_fn(f, q, k, v, scale, mask, g)
+    assert any('flatten_mm.triton_attention.default' in s for s in graphs)
+    assert any('flatten_mm.triton_attention_backward.default' in s for s in graphs)
+    for name, x, r in zip(NAMES, got, want):
+        torch.testing.assert_close(x, r, msg=name)
+
+
+def run_fn(fn, q, k, v, scale, mask, g):
+    ts = [t.detach().clone().requires_grad_() for t in (q, k, v, scale)]
+    out = fn(*ts, mask)
+    return [out] + list(torch.autograd.grad(out, ts, g))
+
+
+def test_export():
+    class Core(torch.nn.Module):
+
+        def forward(self, q, k, v, scale):
+            return focused_linear_attention(q, k, v, scale, 3.0, 2)
+
+    q, k, v, scale, _, _ = inputs(1, 9, 9, 16, torch.float32)
+    with use_backend('triton'):
+        ep = torch.export.export(Core(), (q, k, v, scale))
+        want = Core()(q, k, v, scale)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == 'call_function']
+    assert 'flatten_mm.triton_attention.default' in targets
+    torch.testing.assert_close(ep.module()(q, k, v, scale), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('B,N,n,C,h,masked', [
+    (2, 3000, 3000, 96, 3, False),  # Swin/CSwin-like heads, d = 32
+    (2, 3000, 3000 // 64, 64, 1, False),  # PVT stage 1: one head, keys reduced 8x8
+    (2, 3000, 3000, 64, 2, True),  # padded windows' key mask
+])
+def test_cuda_bf16_matches_reference(B, N, n, C, h, masked):
+    """Real bf16 tensor-core dots on GPU shapes, 3e-2 (module docstring); fp32 exact."""
+    check(torch.bfloat16, B, N, n, C, h, 3.0, masked)
+    check(torch.float32, B, N, n, C, h, 3.0, masked, tol=1e-4)
