@@ -116,15 +116,15 @@ def test_clear_errors(monkeypatch):
 
 
 def op_args(masked):
-    q, k, v, scale, mask, _ = inputs(2, 19, 7, 48, torch.float32, masked)
+    q, k, v, scale, mask, _ = inputs(2, 9, 5, 16, torch.float32, masked)
     s_inv = (1.0 / F.softplus(scale)).reshape(-1)
     return [t.requires_grad_() for t in (q, k, v, s_inv)] + [3.0, 2, mask]
 
 
-@pytest.mark.parametrize('masked', [False, True])
-def test_opcheck(masked):
-    """Schema, fake implementation, autograd registration and AOT dispatch of both ops."""
-    args = op_args(masked)
+def test_opcheck():
+    """Schema, fake implementation, autograd registration and AOT dispatch of both ops
+    (with a key mask; compile and export below pass None)."""
+    args = op_args(True)
     torch.library.opcheck(torch.ops.flatten_mm.triton_attention.default, args)
     out, kv, km, stats_q, stats_k = torch.ops.flatten_mm.triton_attention(*args)
     g = torch.randn_like(out)
