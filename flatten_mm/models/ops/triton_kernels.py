@@ -359,41 +359,49 @@ def _interpreting() -> bool:
 
 
 INTERPRETED = _interpreting()  # fixed when triton.jit decorated the kernels above
+# Eight warps: with four, a program's (BLOCK_N, BD) fp32 blocks, its d x d state
+# and the mapping's temporaries overflow the register file (spills) at d = 64.
+NUM_WARPS = 8
+SM_COUNT = 132  # H100/H200: the chunked sweeps aim at a few programs per SM
 
 
 class Plan(NamedTuple):
     """How one call is tiled: tokens per block, blocks per program of the chunked
-    kernels, chunks per (image, head), the padded head width, and the dots' operands."""
+    kernels, chunks per (image, head), the padded head width, the dots' operands
+    and warps per program."""
     block_n: int
     blocks_per_prog: int
     chunks: int
     bd: int
     dot_dtype: object
     precision: str
+    num_warps: int = NUM_WARPS
 
 
 def plan(tokens: int, bh: int, d: int, dtype: torch.dtype) -> Plan:
     """Tiling of a (B * h)-by-``tokens`` sweep for head width d.
 
-    Blocks of 64 tokens (128 for d <= 32, whose states are small), chunks of
-    blocks per program so that (image, head, chunk) programs about fill the GPU
-    (a few per multiprocessor) without many partial states to add up. Under the
-    interpreter, blocks of 16 tokens and two per program, so that the tests' small
-    shapes cross block and chunk borders.
+    Blocks of 128 tokens for d <= 32, 64 for d <= 64, 32 above, and 32 for exact
+    fp32 dots (computed on CUDA cores, in registers): the token block times the
+    state width held about constant so the kernels stay within the registers.
+    Chunks of blocks per program so that (image, head, chunk) programs about fill
+    the GPU (a few per multiprocessor) without many partial states to add up.
+    Under the interpreter, blocks of 16 tokens and two per program, so that the
+    tests' small shapes cross block and chunk borders.
     """
     bd = max(16, triton.next_power_of_2(d))
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     if INTERPRETED:
         block_n, per = 16, 2
     else:
-        block_n = 128 if bd <= 32 else 64
+        block_n = 32 if exact or bd > 64 else 4096 // bd
         blocks = triton.cdiv(tokens, block_n)
-        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * 132, bh))))
+        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * SM_COUNT, bh))))
     chunks = max(1, triton.cdiv(tokens, block_n * per))
     # bf16 operands for bf16 (fp32's exponent range); fp16 inputs get tf32 dots
     # instead: fp16's precision without its range (the states and u^p of a large
     # p leave it). tl.dot on bf16 is wrong under the interpreter: fp32 there.
     bf16 = dtype == torch.bfloat16 and not INTERPRETED
-    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     return Plan(block_n, per, chunks, bd, tl.bfloat16 if bf16 else tl.float32,
                 'ieee' if exact else 'tf32')
 
@@ -406,7 +414,7 @@ def row_stats(x: Tensor, s_inv: Tensor, p: float) -> Tensor:
     block_r = max(1, min(64, 4096 // block_c))
     grid = (triton.cdiv(B * L, block_r), )
     _row_stats_kernel[grid](x, s_inv, stats, B * L, L, C, x.stride(0), x.stride(1), p,
-                            BLOCK_R=block_r, BLOCK_C=block_c)
+                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
     return stats
 
 
@@ -428,7 +436,7 @@ def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.devi
 def _launch_opts(pl: Plan) -> dict:
     """The compile-time arguments every token kernel takes from its plan."""
     return dict(BLOCK_N=pl.block_n, BD=pl.bd, DOT_DTYPE=pl.dot_dtype, PREC=pl.precision,
-                num_warps=4)
+                num_warps=pl.num_warps)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
