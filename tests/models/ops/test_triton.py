@@ -92,6 +92,26 @@ def test_bf16_matches_reference():
     check(torch.bfloat16, 2, 37, 37, 64, 2, 3.0, True)
 
 
+def test_strided_views_of_one_projection():
+    """q, k, v as column slices of one (B, N, 3C) projection (the layers' qkv):
+    read in place through their strides; gradients as the reference's."""
+    B, N, C, h = 2, 21, 32, 2
+    qkv = torch.randn(B, N, 3 * C, device=DEVICE)
+    scale = 0.5 * torch.randn(1, 1, C, device=DEVICE)
+    g = torch.randn(B, N, C, device=DEVICE)
+    results = []
+    for backend, dtype in (('triton', torch.float32), ('reference', torch.float64)):
+        x = qkv.detach().to(dtype).requires_grad_()
+        s = scale.detach().to(dtype).requires_grad_()
+        q, k, v = x.split(C, dim=-1)
+        with use_backend(backend):
+            out = focused_linear_attention(q, k, v, s, 3.0, h, consume_qk=True)
+        results.append([out] + list(torch.autograd.grad(out, (x, s), g.to(dtype))))
+        assert torch.equal(x.detach().to(torch.float32), qkv)  # q and k only read
+    for name, got, ref in zip(('out', 'qkv', 'scale'), *results):
+        assert rel_err(got, ref) < TOL[torch.float32], name
+
+
 def test_registered_and_not_auto_on_cpu():
     assert 'triton' in available_backends()
     q, k, v, *_ = inputs(1, 4, 4, 8, torch.float32, device='cpu')
