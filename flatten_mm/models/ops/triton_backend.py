@@ -19,8 +19,8 @@ mapping on load, so no mapped copy of q or k is ever written:
    Raising a / m (in (0, 1]) instead of a to the power keeps u in [0, 1] with
    its largest element 1: no overflow or 0 / 0 for any p.
 2. *State* (program per image, head and chunk of keys): phi(k) (masked keys
-   zeroed) times v summed over the chunk's blocks with ``tl.dot`` (tensor cores
-   on bf16/fp16 operands, fp32 accumulators), plus sum phi(k). Stage 1 has tens
+   zeroed) times v summed over the chunk's blocks with ``tl.dot`` (tensor cores,
+   fp32 accumulators), plus sum phi(k). Stage 1 has tens
    of thousands of keys per image and a few heads, so the key axis is split into
    chunks that fill the GPU; their d x d partials are added by one torch sum
    (deterministic, unlike atomics) and divided by the real key count.
@@ -43,9 +43,14 @@ Precision: statistics, normalisers, states and accumulators are fp32; only the
 dots' operands are narrowed. bf16 inputs take bf16 operands (u, phi, the states
 cast; tensor cores at full rate, fp32's exponent range). fp16 inputs take tf32
 dots: fp16's 10-bit mantissa without its range, which u^p (large p) and the
-states' gradients (up to 1 / eps where u . km is tiny) leave; the kernels are
-bound by memory traffic at these head widths, so the slower rate costs little.
-fp32 inputs take exact fp32 dots unless ``torch.backends.cuda.matmul.allow_tf32``.
+states' gradients (up to 1 / eps where u . km is tiny) leave; a dot costs
+about 2d flops per element moved, which at d <= 64 tf32 tensor cores still
+outpace memory traffic. fp32 inputs take exact fp32 dots unless
+``torch.backends.cuda.matmul.allow_tf32``.
+
+Tiling (:func:`.triton_kernels.plan`): eight warps per program, token blocks of
+4096 / d_padded tokens (128 at d = 32, 64 at d = 64), so a block, a d x d state
+and the mapping's temporaries fit the registers.
 Head widths up to :data:`MAX_HEAD_DIM`, padded to a power of two >= 16 for
 ``tl.dot``; ``'auto'`` sends wider heads to the torch backend.
 """
