@@ -17,7 +17,9 @@ mapping on load, so no mapped copy of q or k is ever written:
    One pass per row stores its max m, c = |a| / |u| and t = |u| in fp32 (12
    bytes per token); with them every later kernel maps a head's d channels alone.
    Raising a / m (in (0, 1]) instead of a to the power keeps u in [0, 1] with
-   its largest element 1: no overflow or 0 / 0 for any p.
+   its largest element 1: no overflow or 0 / 0 for any p. With one head (PVT)
+   the token kernels below see whole rows, so they compute and store these
+   statistics themselves and this pass (a read of q and k) is skipped.
 2. *State* (program per image, head and chunk of keys): phi(k) (masked keys
    zeroed) times v summed over the chunk's blocks with ``tl.dot`` (tensor cores,
    fp32 accumulators), plus sum phi(k). Stage 1 has tens

@@ -74,6 +74,40 @@ def _load_state(ptr, bh, cols, D):
 
 
 @triton.jit
+def _whole_row_stats(x, s_inv, cmask, p):
+    """m, c, t and u of a block of whole rows (every channel of the mapping's norm)."""
+    a = tl.where(cmask[None, :], (tl.maximum(x, 0.0) + _EPS) * s_inv[None, :], 0.0)
+    m = tl.max(a, axis=1)
+    _, u = _focus(x, s_inv, m, cmask, p)
+    ratio = a / m[:, None]  # |a| = m |a / m|: no square of a large or tiny a
+    t = tl.sqrt(tl.sum(u * u, axis=1))
+    c = m * tl.sqrt(tl.sum(ratio * ratio, axis=1)) / t
+    return m, c, t, u
+
+
+@triton.jit
+def _store_stats(stats_ptr, m, c, t, rows, rmask, R):
+    """Row statistics m, c, t into their planes (R rows each)."""
+    tl.store(stats_ptr + rows, m, mask=rmask)
+    tl.store(stats_ptr + R + rows, c, mask=rmask)
+    tl.store(stats_ptr + 2 * R + rows, t, mask=rmask)
+
+
+@triton.jit
+def _block_focus(x, s_inv, stats_ptr, b, tok, L, R, cmask, p, WHOLE_ROWS: tl.constexpr):
+    """c and u of a block of one head's channels. With WHOLE_ROWS (one head: the
+    block holds whole rows) the statistics are computed here and stored for
+    backward, instead of loaded: the one-head (PVT) layers skip the statistics pass."""
+    if WHOLE_ROWS:
+        m, c, t, u = _whole_row_stats(x, s_inv, cmask, p)
+        _store_stats(stats_ptr, m, c, t, b * L + tok, tok < L, R)
+    else:
+        c = _load_stat(stats_ptr, 1, b, tok, L, R)
+        _, u = _focus(x, s_inv, _load_stat(stats_ptr, 0, b, tok, L, R), cmask, p)
+    return c, u
+
+
+@triton.jit
 def _row_stats_kernel(x_ptr, s_inv_ptr, stats_ptr, R, L, C, stride_b, stride_n, p,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """m, c and t of BLOCK_R rows, each over all C channels (the norms span the heads)."""
@@ -86,22 +120,15 @@ def _row_stats_kernel(x_ptr, s_inv_ptr, stats_ptr, R, L, C, stride_b, stride_n, 
             (rows % L).to(tl.int64)[:, None] * stride_n + cols[None, :])
     x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     s_inv = tl.load(s_inv_ptr + cols, mask=cmask, other=1.0)
-    a = tl.where(cmask[None, :], (tl.maximum(x, 0.0) + _EPS) * s_inv[None, :], 0.0)
-    m = tl.max(a, axis=1)
-    _, u = _focus(x, s_inv, m, cmask, p)
-    ratio = a / m[:, None]  # |a| = m |a / m|: no square of a large or tiny a
-    t = tl.sqrt(tl.sum(u * u, axis=1))
-    c = m * tl.sqrt(tl.sum(ratio * ratio, axis=1)) / t
-    tl.store(stats_ptr + rows, m, mask=rmask)
-    tl.store(stats_ptr + R + rows, c, mask=rmask)
-    tl.store(stats_ptr + 2 * R + rows, t, mask=rmask)
+    m, c, t, _ = _whole_row_stats(x, s_inv, cmask, p)
+    _store_stats(stats_ptr, m, c, t, rows, rmask, R)
 
 
 @triton.jit
 def _kv_state_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, n, h, D,
                      stride_kb, stride_kn, stride_vb, stride_vn, stride_mb, p, blocks_per_prog,
-                     HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+                     HAS_MASK: tl.constexpr, WHOLE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BD: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Partial sums of one chunk of keys: sum phi_j v_j^T and sum phi_j over real keys
     (the division by the count is the caller's), into slot (bh, chunk) of the partials."""
     bh = tl.program_id(0)
@@ -119,9 +146,8 @@ def _kv_state_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_pt
         if HAS_MASK:
             keep = keep & (tl.load(mask_ptr + b * stride_mb + tok, mask=tok < n, other=0) != 0)
         x = _load_rows(k_ptr, b, tok, col0, cols, n, D, stride_kb, stride_kn).to(tl.float32)
-        m = _load_stat(stats_ptr, 0, b, tok, n, n * (tl.num_programs(0) // h))
-        c = _load_stat(stats_ptr, 1, b, tok, n, n * (tl.num_programs(0) // h))
-        _, u = _focus(x, s_inv, m, cmask, p)
+        c, u = _block_focus(x, s_inv, stats_ptr, b, tok, n, n * (tl.num_programs(0) // h), cmask,
+                            p, WHOLE_ROWS)
         phi = u * tl.where(keep, c, 0.0)[:, None]
         vv = _load_rows(v_ptr, b, tok, col0, cols, n, D, stride_vb, stride_vn)
         vv = tl.where(keep[:, None], vv, 0.0).to(DOT_DTYPE)  # no NaN of padded values
@@ -135,8 +161,9 @@ def _kv_state_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_pt
 
 @triton.jit
 def _output_kernel(q_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, out_ptr, N, h, D, stride_qb,
-                   stride_qn, stride_ob, stride_on, p, BLOCK_N: tl.constexpr, BD: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+                   stride_qn, stride_ob, stride_on, p, WHOLE_ROWS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   PREC: tl.constexpr):
     """out = w (u KV) for one block of queries and one head, the mapping applied on load."""
     bh = tl.program_id(0)
     b = bh // h
@@ -147,9 +174,7 @@ def _output_kernel(q_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, out_ptr, N, h, D
     R = N * (tl.num_programs(0) // h)
     s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
     x = _load_rows(q_ptr, b, tok, col0, cols, N, D, stride_qb, stride_qn).to(tl.float32)
-    m = _load_stat(stats_ptr, 0, b, tok, N, R)
-    c = _load_stat(stats_ptr, 1, b, tok, N, R)
-    _, u = _focus(x, s_inv, m, cmask, p)
+    c, u = _block_focus(x, s_inv, stats_ptr, b, tok, N, R, cmask, p, WHOLE_ROWS)
     kv = _load_state(kv_ptr, bh, cols, D)
     km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
     w = c / (c * tl.sum(u * km[None, :], axis=1) + _EPS)
@@ -406,10 +431,13 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype) -> Plan:
                 'ieee' if exact else 'tf32')
 
 
-def row_stats(x: Tensor, s_inv: Tensor, p: float) -> Tensor:
-    """(3, B, L) fp32 planes m, c, t of the rows of x (B, L, C)."""
+def row_stats(x: Tensor, s_inv: Tensor, p: float, launch: bool = True) -> Tensor:
+    """(3, B, L) fp32 planes m, c, t of the rows of x (B, L, C); without ``launch``
+    only the buffer (a token kernel that sees whole rows fills it)."""
     B, L, C = x.shape
     stats = torch.empty((3, B, L), dtype=torch.float32, device=x.device)
+    if not launch:
+        return stats
     block_c = triton.next_power_of_2(C)
     block_r = max(1, min(64, 4096 // block_c))
     grid = (triton.cdiv(B * L, block_r), )
@@ -447,7 +475,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
     n, h = k.shape[1], num_heads
     d = C // h
     f32 = dict(dtype=torch.float32, device=q.device)
-    stats_q, stats_k = row_stats(q, s_inv, p), row_stats(k, s_inv, p)
+    whole = h == 1  # the token kernels see whole rows: they make the statistics
+    stats_q, stats_k = (row_stats(x, s_inv, p, not whole) for x in (q, k))
     kp = plan(n, B * h, d, v.dtype)
     kv_part = torch.empty((B * h, kp.chunks, d, d), **f32)
     km_part = torch.empty((B * h, kp.chunks, d), **f32)
@@ -455,7 +484,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
     _kv_state_kernel[(B * h, kp.chunks)](
         k, v, mask, stats_k, s_inv, kv_part, km_part, n, h, d, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), stride_m, p, kp.blocks_per_prog, HAS_MASK=has_mask,
-        **_launch_opts(kp))
+        WHOLE_ROWS=whole, **_launch_opts(kp))
     inv = inverse_count(key_mask, B, n, q.device)
     # partials of the chunks added here: deterministic, unlike atomics
     kv = kv_part.sum(1).view(B, h, d, d).mul_(inv.view(B, 1, 1, 1))
@@ -464,7 +493,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
     out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
     _output_kernel[(B * h, triton.cdiv(N, qp.block_n))](
         q, stats_q, s_inv, kv, km, out, N, h, d, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), p, **_launch_opts(qp))
+        out.stride(1), p, WHOLE_ROWS=whole, **_launch_opts(qp))
     return out, kv, km, stats_q, stats_k
 
 
