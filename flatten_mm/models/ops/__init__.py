@@ -2,8 +2,9 @@
 and the other hand-written autograd functions of the layers.
 
 Layout: ``reference`` (the formula), ``autograd`` (the PyTorch-ops backend),
-``dispatch`` (the entry point and the backend switch), ``conv`` and ``mlp``
-(the DWC and the chunked token MLP).
+``dispatch`` (the entry point and the backend switch), ``triton_backend`` and
+``triton_kernels`` (fused Triton kernels, registered when triton imports),
+``conv`` and ``mlp`` (the DWC and the chunked token MLP).
 """
 from .autograd import FocusedLinearAttentionFn
 from .conv import DepthwiseConvFn, depthwise_conv
@@ -12,6 +13,11 @@ from .dispatch import (available_backends, choose_backend, focused_linear_attent
 from .dispatch import apply_environment as _apply_environment
 from .mlp import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .reference import EPS, focusing_map, linear_attention
+
+try:  # registers the 'triton' backend when triton imports
+    from . import triton_backend  # noqa: F401
+except ImportError:  # pragma: no cover (triton_backend guards its own imports)
+    pass
 
 _apply_environment()
 

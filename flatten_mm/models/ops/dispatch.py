@@ -11,7 +11,7 @@ override says otherwise (:func:`set_backend`, or the environment variable
 * ``'torch'``: hand-written autograd function on PyTorch ops, fp32 inside
   (every device; the CPU path);
 * ``'triton'``: fused Triton kernels (CUDA tensors; CPU tensors only under
-  ``TRITON_INTERPRET=1``), registered by :mod:`.triton` when triton imports;
+  ``TRITON_INTERPRET=1``), registered by :mod:`.triton_backend` when triton imports;
 * ``'auto'`` (default): ``'triton'`` for CUDA tensors it supports, else ``'torch'``.
 
 A backend is a function with :func:`focused_linear_attention`'s signature;

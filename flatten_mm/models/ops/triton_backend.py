@@ -1,0 +1,232 @@
+"""The ``'triton'`` backend of the attention core: fused Triton kernels, forward
+and backward, as two ``torch.library`` custom ops.
+
+Registered in :mod:`.dispatch` only when ``triton`` imports; ``'auto'`` picks it
+for CUDA tensors in fp16, bf16 or fp32. On CPU tensors it runs only under
+Triton's interpreter (``TRITON_INTERPRET=1`` set before the first call), which
+is how the tests run it. The kernels (:mod:`.triton_kernels`) are imported on
+the first call, not with the package, so the interpreter switch can still be
+set after ``flatten_mm`` is imported.
+
+Kernel design (notation of :mod:`.triton_kernels`). The work is a few sweeps over
+the tokens, each reading the raw q, k, v (any dtype) and applying the focused
+mapping on load, so no mapped copy of q or k is ever written:
+
+1. *Row statistics* (one program per few rows): the mapping normalises over all
+   C channels, across heads, so the per-head kernels cannot see a whole row.
+   One pass per row stores its max m, c = |a| / |u| and t = |u| in fp32 (12
+   bytes per token); with them every later kernel maps a head's d channels alone.
+   Raising a / m (in (0, 1]) instead of a to the power keeps u in [0, 1] with
+   its largest element 1: no overflow or 0 / 0 for any p. With one head (PVT)
+   the token kernels below see whole rows, so they compute and store these
+   statistics themselves and this pass (a read of q and k) is skipped.
+2. *State* (program per image, head and chunk of keys): phi(k) (masked keys
+   zeroed) times v summed over the chunk's blocks with ``tl.dot`` (tensor cores,
+   fp32 accumulators), plus sum phi(k). Stage 1 has tens
+   of thousands of keys per image and a few heads, so the key axis is split into
+   chunks that fill the GPU; their d x d partials are added by one torch sum
+   (deterministic, unlike atomics) and divided by the real key count.
+3. *Output* (program per image, head and block of queries): u of the queries,
+   u KV by ``tl.dot``, the normaliser c / (c u . km + eps) and the product, fused;
+   only out is written.
+
+Backward has the torch backend's closed form (derivation in autograd.py and in
+``_map_backward``), in four sweeps: the gradient of a row's c sums over heads,
+so each side has a pass computing per-(row, head) shares of it (stored as
+(B, L, h) fp32, small) before a pass that completes the rows:
+
+1. queries: partial gradients of KV and km per chunk, c's shares;
+2. queries: dq and the partial gradient of s_inv (u's gradient recomputed:
+   one d x d product, cheaper than a (B, N, C) fp32 buffer);
+3. keys: dv and c's shares;
+4. keys: dk and the partial gradient of s_inv.
+
+Precision: statistics, normalisers, states and accumulators are fp32; only the
+dots' operands are narrowed. bf16 inputs take bf16 operands (u, phi, the states
+cast; tensor cores at full rate, fp32's exponent range). fp16 inputs take tf32
+dots: fp16's 10-bit mantissa without its range, which u^p (large p) and the
+states' gradients (up to 1 / eps where u . km is tiny) leave; a dot costs
+about 2d flops per element moved, which at d <= 64 tf32 tensor cores still
+outpace memory traffic. fp32 inputs take exact fp32 dots unless
+``torch.backends.cuda.matmul.allow_tf32``.
+
+Tiling (:func:`.triton_kernels.plan`): eight warps per program, token blocks of
+4096 / d_padded tokens (128 at d = 32, 64 at d = 64), so a block, a d x d state
+and the mapping's temporaries fit the registers.
+Head widths up to :data:`MAX_HEAD_DIM`, padded to a power of two >= 16 for
+``tl.dot``; ``'auto'`` sends wider heads to the torch backend.
+"""
+import os
+from types import ModuleType
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import _torch_backend, get_backend, register_backend
+
+try:
+    import triton  # noqa: F401  (availability only; kernels load on first call)
+    import triton.language  # noqa: F401
+    AVAILABLE = True
+except Exception:  # missing, or broken in this environment: register nothing
+    AVAILABLE = False
+
+MAX_HEAD_DIM = 128  # d x d fp32 states per program: wider heads would spill registers
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNELS = {}
+
+
+def kernels() -> ModuleType:
+    """The kernels module, imported on first use (see the module docstring)."""
+    if 'module' not in _KERNELS:
+        from . import triton_kernels
+        _KERNELS['module'] = triton_kernels
+    return _KERNELS['module']
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter."""
+    if 'module' in _KERNELS:
+        return _KERNELS['module'].INTERPRETED
+    return os.environ.get('TRITON_INTERPRET', '0') == '1'
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x with unit channel stride (the kernels take any batch and token strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
+                  num_heads: int, key_mask: Optional[Tensor]
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """out, and the fp32 KV, km and row statistics of q and k that backward takes."""
+    check_runnable(q)
+    return tuple(kernels().forward(_rows(q), _rows(k), _rows(v), s_inv.contiguous(),
+                                   focusing_factor, num_heads, key_mask))
+
+
+def _forward_fake(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
+                  num_heads: int, key_mask: Optional[Tensor]
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, N, C = q.shape
+    n, d = k.shape[1], C // num_heads
+    f32 = dict(dtype=torch.float32, device=q.device)
+    return (q.new_empty((B, N, C), dtype=v.dtype), q.new_empty((B, num_heads, d, d), **f32),
+            q.new_empty((B, num_heads, d), **f32), q.new_empty((3, B, N), **f32),
+            q.new_empty((3, B, n), **f32))
+
+
+def _backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
+                   km: Tensor, stats_q: Tensor, stats_k: Tensor, focusing_factor: float,
+                   num_heads: int, key_mask: Optional[Tensor]
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for q, k, v and s_inv."""
+    check_runnable(q)
+    return tuple(kernels().backward(_rows(grad_out), _rows(q), _rows(k), _rows(v),
+                                    s_inv.contiguous(), kv, km, stats_q, stats_k,
+                                    focusing_factor, num_heads, key_mask))
+
+
+def _backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
+                   km: Tensor, stats_q: Tensor, stats_k: Tensor, focusing_factor: float,
+                   num_heads: int, key_mask: Optional[Tensor]
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            s_inv.new_empty(s_inv.shape))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, s_inv, focusing_factor, num_heads, key_mask = inputs
+    _, kv, km, stats_q, stats_k = output
+    ctx.save_for_backward(q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask)
+    ctx.focusing_factor, ctx.num_heads = focusing_factor, num_heads
+    ctx.mark_non_differentiable(kv, km, stats_q, stats_k)
+
+
+def _backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple:
+    """Autograd formula of the forward op: the backward op (the states' and
+    statistics' gradients are ignored: they are non-differentiable outputs)."""
+    q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask = ctx.saved_tensors
+    grads = torch.ops.flatten_mm.triton_attention_backward(
+        grad_out, q, k, v, s_inv, kv, km, stats_q, stats_k, ctx.focusing_factor, ctx.num_heads,
+        key_mask)
+    return tuple(grads) + (None, None, None)
+
+
+def _register_ops() -> None:
+    """flatten_mm::triton_attention (forward) and ::triton_attention_backward, with
+    fake implementations, so compilers and export see one opaque op each."""
+    fwd = torch.library.custom_op('flatten_mm::triton_attention', mutates_args=())(_forward_impl)
+    fwd.register_fake(_forward_fake)
+    bwd = torch.library.custom_op('flatten_mm::triton_attention_backward',
+                                  mutates_args=())(_backward_impl)
+    bwd.register_fake(_backward_fake)
+    fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_runnable(x: Tensor) -> None:
+    """Raise unless the kernels can run on x's device: CUDA, or the interpreter."""
+    if x.device.type != 'cuda' and not interpreted():
+        raise RuntimeError(
+            f"the 'triton' attention backend runs on CUDA tensors, got a tensor on "
+            f"{x.device.type!r}; on CPU it needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            f"before its first call")
+
+
+def check_call(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, num_heads: int,
+               key_mask: Optional[Tensor]) -> int:
+    """The head width d of a call, after checking its shapes and dtypes."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f'q must be (B, N, C) and k, v (B, n, C), got q {tuple(q.shape)}, '
+                         f'k {tuple(k.shape)}, v {tuple(v.shape)}')
+    B, N, C = q.shape
+    if k.shape[0] != B or k.shape[2] != C or N < 1 or k.shape[1] < 1:
+        raise ValueError(f'q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and '
+                         f'channels and hold at least one token')
+    if num_heads < 1 or C % num_heads:
+        raise ValueError(f'num_heads must be a positive divisor of C={C}, got {num_heads}')
+    for name, x in (('q', q), ('k', k), ('v', v)):
+        if x.dtype not in DTYPES:
+            raise ValueError(f"the 'triton' attention backend takes {DTYPES}, got {name} in "
+                             f'{x.dtype}')
+    if scale.numel() != C:
+        raise ValueError(f'scale must hold C={C} elements, got shape {tuple(scale.shape)}')
+    if key_mask is not None and (key_mask.dtype != torch.bool or
+                                 key_mask.shape != k.shape[:2]):
+        raise ValueError(f'key_mask must be bool of shape {tuple(k.shape[:2])}, got '
+                         f'{key_mask.dtype} {tuple(key_mask.shape)}')
+    return C // num_heads
+
+
+def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
+                   num_heads: int, key_mask: Optional[Tensor] = None,
+                   consume_qk: bool = False) -> Tensor:
+    """The backend (:func:`.dispatch.focused_linear_attention`'s signature): one
+    forward op; s_inv = 1 / softplus(scale) in fp32 by PyTorch ops, so autograd
+    takes the gradient on to ``scale``. ``consume_qk`` is moot (q and k are only read)."""
+    d = check_call(q, k, v, scale, num_heads, key_mask)
+    if d > MAX_HEAD_DIM:
+        if get_backend() == 'auto':
+            return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask,
+                                  consume_qk)
+        raise ValueError(f"the 'triton' attention backend takes head widths up to "
+                         f'{MAX_HEAD_DIM}, got d={d} (C={q.shape[-1]}, num_heads={num_heads})')
+    check_runnable(q)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        s_inv = 1.0 / F.softplus(scale.float()).reshape(-1)
+    return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
+                                                 int(num_heads), key_mask)[0]
+
+
+def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> bool:
+    """``'auto'`` takes this backend for CUDA tensors of one supported dtype (wider
+    heads than :data:`MAX_HEAD_DIM` fall back to the torch backend inside)."""
+    return (q.device.type == 'cuda' and q.dim() == 3 and v.dtype in DTYPES and
+            q.dtype == k.dtype == v.dtype)
+
+
+if AVAILABLE:
+    _register_ops()
+    register_backend('triton', triton_backend, auto=supports)

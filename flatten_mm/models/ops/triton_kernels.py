@@ -1,0 +1,555 @@
+"""Triton kernels of the focused linear attention core (design: :mod:`.triton_backend`).
+
+Imported by :mod:`.triton_backend` on the first call, not at package import:
+``triton.jit`` decides at decoration time whether kernels run compiled or under
+the CPU interpreter (``TRITON_INTERPRET=1``), so the choice is the one in force
+at the first call.
+
+Notation (autograd.py's): per token row x of q or k over all C channels,
+``a = (relu(x) + eps) * s_inv``, ``m = max(a)``, ``u = (a / m)^p``,
+``t = |u|``, ``c = |a| / t``, so ``phi(x) = c * u``. Per head of d channels,
+``KV = sum_j kappa_j u_j v_j^T`` and ``km = sum_j kappa_j u_j`` with
+``kappa_j = c_j mask_j / count``; for a query, ``den = c (u . km) + eps``,
+``w = c / den`` and ``out = w (u KV)``.
+
+The ``@triton.jit`` functions carry no Python type hints: Triton reads a
+parameter's annotation as a compile-time type (``tl.constexpr`` marks those).
+"""
+import os
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .reference import EPS
+
+_EPS = tl.constexpr(EPS)
+
+
+@triton.jit
+def _focus(x, s_inv, m, cmask, p):
+    """a and u = (a / m)^p of a (rows, BD) block of fp32 x; u is 0 in padded channels.
+
+    The power as exp2(p log2(a / m)): a / m is in (0, 1], so u is too, for any p.
+    """
+    a = (tl.maximum(x, 0.0) + _EPS) * s_inv[None, :]
+    ratio = tl.where(cmask[None, :], a / m[:, None], 1.0)
+    u = tl.where(cmask[None, :], tl.exp2(p * tl.log2(ratio)), 0.0)
+    return a, u
+
+
+@triton.jit
+def _load_rows(ptr, b, tok, col0, cols, L, D, stride_b, stride_n):
+    """The (BLOCK_N, BD) block of tokens ``tok`` and head channels ``col0 + cols``
+    of image b, 0 outside the tensor, in the tensor's dtype."""
+    mask = (tok < L)[:, None] & (cols < D)[None, :]
+    ptrs = (ptr + b.to(tl.int64) * stride_b + tok.to(tl.int64)[:, None] * stride_n + col0 +
+            cols[None, :])
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, val, b, tok, col0, cols, L, D, stride_b, stride_n):
+    """Store a (BLOCK_N, BD) block where :func:`_load_rows` loads it."""
+    mask = (tok < L)[:, None] & (cols < D)[None, :]
+    ptrs = (ptr + b.to(tl.int64) * stride_b + tok.to(tl.int64)[:, None] * stride_n + col0 +
+            cols[None, :])
+    tl.store(ptrs, val.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_stat(stats_ptr, plane, b, tok, L, R):
+    """Row statistic ``plane`` (0: m, 1: c, 2: t) of tokens ``tok`` of image b
+    (planes of R = B * L rows); 1 past the last token, so nothing divides by 0."""
+    return tl.load(stats_ptr + plane * R + b * L + tok, mask=tok < L, other=1.0)
+
+
+@triton.jit
+def _load_state(ptr, bh, cols, D):
+    """The (BD, BD) fp32 state of (image, head) bh, 0 in padded rows and columns."""
+    mask = (cols < D)[:, None] & (cols < D)[None, :]
+    return tl.load(ptr + bh * D * D + cols[:, None] * D + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _whole_row_stats(x, s_inv, cmask, p):
+    """m, c, t and u of a block of whole rows (every channel of the mapping's norm)."""
+    a = tl.where(cmask[None, :], (tl.maximum(x, 0.0) + _EPS) * s_inv[None, :], 0.0)
+    m = tl.max(a, axis=1)
+    _, u = _focus(x, s_inv, m, cmask, p)
+    ratio = a / m[:, None]  # |a| = m |a / m|: no square of a large or tiny a
+    t = tl.sqrt(tl.sum(u * u, axis=1))
+    c = m * tl.sqrt(tl.sum(ratio * ratio, axis=1)) / t
+    return m, c, t, u
+
+
+@triton.jit
+def _store_stats(stats_ptr, m, c, t, rows, rmask, R):
+    """Row statistics m, c, t into their planes (R rows each)."""
+    tl.store(stats_ptr + rows, m, mask=rmask)
+    tl.store(stats_ptr + R + rows, c, mask=rmask)
+    tl.store(stats_ptr + 2 * R + rows, t, mask=rmask)
+
+
+@triton.jit
+def _block_focus(x, s_inv, stats_ptr, b, tok, L, R, cmask, p, WHOLE_ROWS: tl.constexpr):
+    """c and u of a block of one head's channels. With WHOLE_ROWS (one head: the
+    block holds whole rows) the statistics are computed here and stored for
+    backward, instead of loaded: the one-head (PVT) layers skip the statistics pass."""
+    if WHOLE_ROWS:
+        m, c, t, u = _whole_row_stats(x, s_inv, cmask, p)
+        _store_stats(stats_ptr, m, c, t, b * L + tok, tok < L, R)
+    else:
+        c = _load_stat(stats_ptr, 1, b, tok, L, R)
+        _, u = _focus(x, s_inv, _load_stat(stats_ptr, 0, b, tok, L, R), cmask, p)
+    return c, u
+
+
+@triton.jit
+def _row_stats_kernel(x_ptr, s_inv_ptr, stats_ptr, R, L, C, stride_b, stride_n, p,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """m, c and t of BLOCK_R rows, each over all C channels (the norms span the heads)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < R
+    cmask = cols < C
+    b = rows // L
+    ptrs = (x_ptr + b.to(tl.int64)[:, None] * stride_b +
+            (rows % L).to(tl.int64)[:, None] * stride_n + cols[None, :])
+    x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    s_inv = tl.load(s_inv_ptr + cols, mask=cmask, other=1.0)
+    m, c, t, _ = _whole_row_stats(x, s_inv, cmask, p)
+    _store_stats(stats_ptr, m, c, t, rows, rmask, R)
+
+
+@triton.jit
+def _kv_state_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, n, h, D,
+                     stride_kb, stride_kn, stride_vb, stride_vn, stride_mb, p, blocks_per_prog,
+                     HAS_MASK: tl.constexpr, WHOLE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BD: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """Partial sums of one chunk of keys: sum phi_j v_j^T and sum phi_j over real keys
+    (the division by the count is the caller's), into slot (bh, chunk) of the partials."""
+    bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = bh // h
+    col0 = (bh % h) * D
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
+    acc = tl.zeros([BD, BD], dtype=tl.float32)
+    ksum = tl.zeros([BD], dtype=tl.float32)
+    for i in range(blocks_per_prog):
+        tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        keep = tok < n
+        if HAS_MASK:
+            keep = keep & (tl.load(mask_ptr + b * stride_mb + tok, mask=tok < n, other=0) != 0)
+        x = _load_rows(k_ptr, b, tok, col0, cols, n, D, stride_kb, stride_kn).to(tl.float32)
+        c, u = _block_focus(x, s_inv, stats_ptr, b, tok, n, n * (tl.num_programs(0) // h), cmask,
+                            p, WHOLE_ROWS)
+        phi = u * tl.where(keep, c, 0.0)[:, None]
+        vv = _load_rows(v_ptr, b, tok, col0, cols, n, D, stride_vb, stride_vn)
+        vv = tl.where(keep[:, None], vv, 0.0).to(DOT_DTYPE)  # no NaN of padded values
+        acc = tl.dot(tl.trans(phi.to(DOT_DTYPE)), vv, acc, input_precision=PREC)
+        ksum += tl.sum(phi, axis=0)
+    slot = bh * tl.num_programs(1) + chunk
+    smask = cmask[:, None] & cmask[None, :]
+    tl.store(kv_ptr + slot * D * D + cols[:, None] * D + cols[None, :], acc, mask=smask)
+    tl.store(km_ptr + slot * D + cols, ksum, mask=cmask)
+
+
+@triton.jit
+def _output_kernel(q_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, out_ptr, N, h, D, stride_qb,
+                   stride_qn, stride_ob, stride_on, p, WHOLE_ROWS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   PREC: tl.constexpr):
+    """out = w (u KV) for one block of queries and one head, the mapping applied on load."""
+    bh = tl.program_id(0)
+    b = bh // h
+    col0 = (bh % h) * D
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    R = N * (tl.num_programs(0) // h)
+    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
+    x = _load_rows(q_ptr, b, tok, col0, cols, N, D, stride_qb, stride_qn).to(tl.float32)
+    c, u = _block_focus(x, s_inv, stats_ptr, b, tok, N, R, cmask, p, WHOLE_ROWS)
+    kv = _load_state(kv_ptr, bh, cols, D)
+    km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
+    w = c / (c * tl.sum(u * km[None, :], axis=1) + _EPS)
+    o = tl.dot(u.to(DOT_DTYPE), kv.to(DOT_DTYPE), input_precision=PREC) * w[:, None]
+    _store_rows(out_ptr, o, b, tok, col0, cols, N, D, stride_ob, stride_on)
+
+
+@triton.jit
+def _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p):
+    """Gradients for x and (per element, to be summed over rows) s_inv, given those for
+    u at fixed c (grad_u, a block) and for c (grad_c, per row).
+
+    phi = c u does not depend on m (the factors m^-p of u and m^p of c cancel), so m
+    is held constant: u = (a / m)^p, c = |a| / |u|. With Gt = grad_u - grad_c c u / t^2
+    (u's total gradient), dL/da = p Gt u / a + grad_c a / (c t^2).
+    """
+    gt = grad_u - (grad_c * c / (t * t))[:, None] * u
+    grad_a = p * gt * (u / a) + (grad_c / (c * t * t))[:, None] * a
+    grad_x = tl.where(x > 0, grad_a * s_inv[None, :], 0.0)
+    return grad_x, grad_a * (tl.maximum(x, 0.0) + _EPS)
+
+
+@triton.jit
+def _query_terms(q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
+                 stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Backward quantities of one block of queries and one head: x, a, u, c, t,
+    w (0 past the last token), A = g KV^T (gradient of u KV), the gradients gy of w
+    and gd of u . km; kv_t is KV^T as a dot operand."""
+    x = _load_rows(q_ptr, b, tok, col0, cols, N, D, stride_qb, stride_qn).to(tl.float32)
+    g = _load_rows(g_ptr, b, tok, col0, cols, N, D, stride_gb, stride_gn)
+    m = _load_stat(stats_ptr, 0, b, tok, N, R)
+    c = _load_stat(stats_ptr, 1, b, tok, N, R)
+    t = _load_stat(stats_ptr, 2, b, tok, N, R)
+    a, u = _focus(x, s_inv, m, cols < D, p)
+    den = c * tl.sum(u * km[None, :], axis=1) + _EPS
+    w = tl.where(tok < N, c / den, 0.0)
+    grad_uk = tl.dot(g.to(DOT_DTYPE), kv_t, input_precision=PREC)
+    gy = tl.sum(u * grad_uk, axis=1)
+    gd = -gy * c * c / (den * den)  # w = c / (c dot + eps): dw/ddot = -c^2 / den^2
+    return x, g, a, u, c, t, den, w, grad_uk, gy, gd
+
+
+@triton.jit
+def _query_state_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_ptr, dkv_ptr,
+                             dkm_ptr, N, h, D, stride_qb, stride_qn, stride_gb, stride_gn, p,
+                             blocks_per_prog, BLOCK_N: tl.constexpr, BD: tl.constexpr,
+                             DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """Backward pass 1 over one chunk of queries and one head: partial gradients of
+    KV (sum_i w_i u_i g_i^T) and km (sum_i gd_i u_i), and each row's share of the
+    gradient of c (gy eps / den^2; the caller sums it over heads) into gc (B, N, h)."""
+    bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = bh // h
+    head = bh % h
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    R = N * (tl.num_programs(0) // h)
+    s_inv = tl.load(s_inv_ptr + head * D + cols, mask=cmask, other=1.0)
+    kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
+    km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
+    dkv = tl.zeros([BD, BD], dtype=tl.float32)
+    dkm = tl.zeros([BD], dtype=tl.float32)
+    for i in range(blocks_per_prog):
+        tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _, g, _, u, c, _, den, w, _, gy, gd = _query_terms(
+            q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, head * D, cols, N, R, D,
+            stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
+        tl.store(gc_ptr + (b * N + tok) * h + head, gy * _EPS / (den * den), mask=tok < N)
+        wu = (u * w[:, None]).to(DOT_DTYPE)
+        dkv = tl.dot(tl.trans(wu), g.to(DOT_DTYPE), dkv, input_precision=PREC)
+        dkm += tl.sum(u * gd[:, None], axis=0)
+    slot = bh * tl.num_programs(1) + chunk
+    smask = cmask[:, None] & cmask[None, :]
+    tl.store(dkv_ptr + slot * D * D + cols[:, None] * D + cols[None, :], dkv, mask=smask)
+    tl.store(dkm_ptr + slot * D + cols, dkm, mask=cmask)
+
+
+@triton.jit
+def _row_sum_over_heads(gc_ptr, b, tok, L, h, BH: tl.constexpr):
+    """Sum over the h heads of each row's share of the gradient of c, (B, L, h) fp32."""
+    heads = tl.arange(0, BH)
+    mask = (tok < L)[:, None] & (heads < h)[None, :]
+    part = tl.load(gc_ptr + (b * L + tok)[:, None] * h + heads[None, :], mask=mask, other=0.0)
+    return tl.sum(part, axis=1)
+
+
+@triton.jit
+def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_ptr, dq_ptr, ds_ptr,
+                       N, h, D, stride_qb, stride_qn, stride_gb, stride_gn, stride_db, stride_dn,
+                       p, blocks_per_prog, BLOCK_N: tl.constexpr, BD: tl.constexpr,
+                       BH: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """Backward pass 2 over one chunk of queries and one head: dq, and the chunk's
+    partial gradient of s_inv for the head's channels. u's gradient is
+    w A + gd km (A, gd recomputed: cheaper than storing a (B, N, C) fp32 buffer)."""
+    bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = bh // h
+    col0 = (bh % h) * D
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    R = N * (tl.num_programs(0) // h)
+    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
+    kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
+    km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
+    ds = tl.zeros([BD], dtype=tl.float32)
+    for i in range(blocks_per_prog):
+        tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        x, _, a, u, c, t, _, w, grad_uk, _, gd = _query_terms(
+            q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
+            stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
+        grad_u = w[:, None] * grad_uk + gd[:, None] * km[None, :]
+        grad_c = _row_sum_over_heads(gc_ptr, b, tok, N, h, BH)
+        grad_x, grad_s = _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p)
+        _store_rows(dq_ptr, grad_x, b, tok, col0, cols, N, D, stride_db, stride_dn)
+        ds += tl.sum(grad_s, axis=0)
+    tl.store(ds_ptr + (bh * tl.num_programs(1) + chunk) * D + cols, ds, mask=cmask)
+
+
+@triton.jit
+def _key_terms(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok,
+               col0, cols, n, R, D, stride_kb, stride_kn, stride_vb, stride_vn, stride_mb, p,
+               HAS_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """Backward quantities of one block of keys and one head: x, a, u, c, t,
+    share (mask / count), and Bm = v dKV^T + dkm (u's gradient over kappa);
+    dkv_op is dKV as a dot operand."""
+    keep = tok < n
+    if HAS_MASK:
+        keep = keep & (tl.load(mask_ptr + b * stride_mb + tok, mask=tok < n, other=0) != 0)
+    share = tl.where(keep, inv_count, 0.0)
+    x = _load_rows(k_ptr, b, tok, col0, cols, n, D, stride_kb, stride_kn).to(tl.float32)
+    m = _load_stat(stats_ptr, 0, b, tok, n, R)
+    c = _load_stat(stats_ptr, 1, b, tok, n, R)
+    t = _load_stat(stats_ptr, 2, b, tok, n, R)
+    a, u = _focus(x, s_inv, m, cols < D, p)
+    vv = _load_rows(v_ptr, b, tok, col0, cols, n, D, stride_vb, stride_vn)
+    vv = tl.where(keep[:, None], vv, 0.0).to(DOT_DTYPE)
+    bm = tl.dot(vv, tl.trans(dkv_op), input_precision=PREC) + dkm[None, :]
+    return x, a, u, c, t, share, bm
+
+
+@triton.jit
+def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_ptr,
+                           inv_count_ptr, gc_ptr, dv_ptr, n, h, D, stride_kb, stride_kn,
+                           stride_vb, stride_vn, stride_mb, stride_db, stride_dn, p,
+                           HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr,
+                           DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """Backward pass 3 over one block of keys and one head: dv = kappa (u dKV), and
+    each row's share of the gradient of c (share u . Bm) into gc (B, n, h)."""
+    bh = tl.program_id(0)
+    b = bh // h
+    head = bh % h
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s_inv = tl.load(s_inv_ptr + head * D + cols, mask=cmask, other=1.0)
+    dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
+    dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
+    inv_count = tl.load(inv_count_ptr + b)
+    _, _, u, c, _, share, bm = _key_terms(
+        k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok, head * D,
+        cols, n,
+        n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn, stride_mb,
+        p, HAS_MASK, DOT_DTYPE, PREC)
+    dv = tl.dot(u.to(DOT_DTYPE), dkv_op, input_precision=PREC) * (c * share)[:, None]
+    _store_rows(dv_ptr, dv, b, tok, head * D, cols, n, D, stride_db, stride_dn)
+    tl.store(gc_ptr + (b * n + tok) * h + head, share * tl.sum(u * bm, axis=1), mask=tok < n)
+
+
+@triton.jit
+def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_ptr, inv_count_ptr,
+                     gc_ptr, dk_ptr, ds_ptr, n, h, D, stride_kb, stride_kn, stride_vb, stride_vn,
+                     stride_mb, stride_db, stride_dn, p, blocks_per_prog, HAS_MASK: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """Backward pass 4 over one chunk of keys and one head: dk (u's gradient kappa Bm,
+    c's the row sum over heads of gc), and the chunk's partial gradient of s_inv."""
+    bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = bh // h
+    col0 = (bh % h) * D
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
+    dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
+    dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
+    inv_count = tl.load(inv_count_ptr + b)
+    ds = tl.zeros([BD], dtype=tl.float32)
+    for i in range(blocks_per_prog):
+        tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        x, a, u, c, t, share, bm = _key_terms(
+            k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok, col0,
+            cols,
+            n, n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn,
+            stride_mb, p, HAS_MASK, DOT_DTYPE, PREC)
+        grad_c = _row_sum_over_heads(gc_ptr, b, tok, n, h, BH)
+        grad_x, grad_s = _map_backward(x, a, u, c, t, (c * share)[:, None] * bm, grad_c, s_inv, p)
+        _store_rows(dk_ptr, grad_x, b, tok, col0, cols, n, D, stride_db, stride_dn)
+        ds += tl.sum(grad_s, axis=0)
+    tl.store(ds_ptr + (bh * tl.num_programs(1) + chunk) * D + cols, ds, mask=cmask)
+
+
+# ---------------------------------------------------------------- launchers
+
+def _interpreting() -> bool:
+    return os.environ.get('TRITON_INTERPRET', '0') == '1'
+
+
+INTERPRETED = _interpreting()  # fixed when triton.jit decorated the kernels above
+# Eight warps: with four, a program's (BLOCK_N, BD) fp32 blocks, its d x d state
+# and the mapping's temporaries overflow the register file (spills) at d = 64.
+NUM_WARPS = 8
+SM_COUNT = 132  # H100/H200: the chunked sweeps aim at a few programs per SM
+
+
+class Plan(NamedTuple):
+    """How one call is tiled: tokens per block, blocks per program of the chunked
+    kernels, chunks per (image, head), the padded head width, the dots' operands
+    and warps per program."""
+    block_n: int
+    blocks_per_prog: int
+    chunks: int
+    bd: int
+    dot_dtype: object
+    precision: str
+    num_warps: int = NUM_WARPS
+
+
+def plan(tokens: int, bh: int, d: int, dtype: torch.dtype) -> Plan:
+    """Tiling of a (B * h)-by-``tokens`` sweep for head width d.
+
+    Blocks of 128 tokens for d <= 32, 64 for d <= 64, 32 above, and 32 for exact
+    fp32 dots (computed on CUDA cores, in registers): the token block times the
+    state width held about constant so the kernels stay within the registers.
+    Chunks of blocks per program so that (image, head, chunk) programs about fill
+    the GPU (a few per multiprocessor) without many partial states to add up.
+    Under the interpreter, blocks of 16 tokens and two per program, so that the
+    tests' small shapes cross block and chunk borders.
+    """
+    bd = max(16, triton.next_power_of_2(d))
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    if INTERPRETED:
+        block_n, per = 16, 2
+    else:
+        block_n = 32 if exact or bd > 64 else 4096 // bd
+        blocks = triton.cdiv(tokens, block_n)
+        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * SM_COUNT, bh))))
+    chunks = max(1, triton.cdiv(tokens, block_n * per))
+    # bf16 operands for bf16 (fp32's exponent range); fp16 inputs get tf32 dots
+    # instead: fp16's precision without its range (the states and u^p of a large
+    # p leave it). tl.dot on bf16 is wrong under the interpreter: fp32 there.
+    bf16 = dtype == torch.bfloat16 and not INTERPRETED
+    return Plan(block_n, per, chunks, bd, tl.bfloat16 if bf16 else tl.float32,
+                'ieee' if exact else 'tf32')
+
+
+def row_stats(x: Tensor, s_inv: Tensor, p: float, launch: bool = True) -> Tensor:
+    """(3, B, L) fp32 planes m, c, t of the rows of x (B, L, C); without ``launch``
+    only the buffer (a token kernel that sees whole rows fills it)."""
+    B, L, C = x.shape
+    stats = torch.empty((3, B, L), dtype=torch.float32, device=x.device)
+    if not launch:
+        return stats
+    block_c = triton.next_power_of_2(C)
+    block_r = max(1, min(64, 4096 // block_c))
+    grid = (triton.cdiv(B * L, block_r), )
+    _row_stats_kernel[grid](x, s_inv, stats, B * L, L, C, x.stride(0), x.stride(1), p,
+                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
+    return stats
+
+
+def _mask_args(key_mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, int, bool]:
+    """Pointer, batch stride and presence of the key mask (uint8 view, no copy)."""
+    if key_mask is None:
+        return fallback, 0, False
+    mask = key_mask.contiguous().view(torch.uint8)
+    return mask, mask.stride(0), True
+
+
+def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.device) -> Tensor:
+    """(B,) fp32: 1 / the number of real keys of each image."""
+    if key_mask is None:
+        return torch.full((B, ), 1.0 / n, dtype=torch.float32, device=device)
+    return 1.0 / key_mask.sum(1, dtype=torch.float32)
+
+
+def _launch_opts(pl: Plan) -> dict:
+    """The compile-time arguments every token kernel takes from its plan."""
+    return dict(BLOCK_N=pl.block_n, BD=pl.bd, DOT_DTYPE=pl.dot_dtype, PREC=pl.precision,
+                num_warps=pl.num_warps)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
+            num_heads: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """out (B, N, C) in v's dtype, and what backward needs: KV (B, h, d, d) and
+    km (B, h, d) (fp32, divided by the key count), the row statistics of q and k."""
+    B, N, C = q.shape
+    n, h = k.shape[1], num_heads
+    d = C // h
+    f32 = dict(dtype=torch.float32, device=q.device)
+    whole = h == 1  # the token kernels see whole rows: they make the statistics
+    stats_q, stats_k = (row_stats(x, s_inv, p, not whole) for x in (q, k))
+    kp = plan(n, B * h, d, v.dtype)
+    kv_part = torch.empty((B * h, kp.chunks, d, d), **f32)
+    km_part = torch.empty((B * h, kp.chunks, d), **f32)
+    mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
+    _kv_state_kernel[(B * h, kp.chunks)](
+        k, v, mask, stats_k, s_inv, kv_part, km_part, n, h, d, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), stride_m, p, kp.blocks_per_prog, HAS_MASK=has_mask,
+        WHOLE_ROWS=whole, **_launch_opts(kp))
+    inv = inverse_count(key_mask, B, n, q.device)
+    # partials of the chunks added here: deterministic, unlike atomics
+    kv = kv_part.sum(1).view(B, h, d, d).mul_(inv.view(B, 1, 1, 1))
+    km = km_part.sum(1).view(B, h, d).mul_(inv.view(B, 1, 1))
+    qp = plan(N, B * h, d, v.dtype)
+    out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
+    _output_kernel[(B * h, triton.cdiv(N, qp.block_n))](
+        q, stats_q, s_inv, kv, km, out, N, h, d, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), p, WHOLE_ROWS=whole, **_launch_opts(qp))
+    return out, kv, km, stats_q, stats_k
+
+
+def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
+                    stats_q: Tensor, p: float, h: int, dtype: torch.dtype) -> Tuple[Tensor, ...]:
+    """dq, the per-channel gradient of s_inv through q, and the gradients of KV and km."""
+    B, N, C = q.shape
+    d = C // h
+    f32 = dict(dtype=torch.float32, device=q.device)
+    qp = plan(N, B * h, d, dtype)
+    gc = torch.empty((B, N, h), **f32)
+    dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)
+    dkm_part = torch.empty((B * h, qp.chunks, d), **f32)
+    grid = (B * h, qp.chunks)
+    _query_state_grad_kernel[grid](
+        q, g, stats_q, s_inv, kv, km, gc, dkv_part, dkm_part, N, h, d, q.stride(0), q.stride(1),
+        g.stride(0), g.stride(1), p, qp.blocks_per_prog, **_launch_opts(qp))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ds = torch.empty((B * h, qp.chunks, d), **f32)
+    _query_grad_kernel[grid](
+        q, g, stats_q, s_inv, kv, km, gc, dq, ds, N, h, d, q.stride(0), q.stride(1), g.stride(0),
+        g.stride(1), dq.stride(0), dq.stride(1), p, qp.blocks_per_prog,
+        BH=triton.next_power_of_2(h), **_launch_opts(qp))
+    ds = ds.view(B, h, qp.chunks, d).sum((0, 2)).reshape(C)
+    return dq, ds, dkv_part.sum(1), dkm_part.sum(1)
+
+
+def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor, stats_k: Tensor,
+                  p: float, h: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """dk, dv and the per-channel gradient of s_inv through k, from those of KV and km."""
+    B, n, C = k.shape
+    d = C // h
+    f32 = dict(dtype=torch.float32, device=k.device)
+    kp = plan(n, B * h, d, v.dtype)
+    mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
+    inv = inverse_count(key_mask, B, n, k.device)
+    gc = torch.empty((B, n, h), **f32)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    _key_value_grad_kernel[(B * h, triton.cdiv(n, kp.block_n))](
+        k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dv, n, h, d, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), stride_m, dv.stride(0), dv.stride(1), p, HAS_MASK=has_mask,
+        **_launch_opts(kp))
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    ds = torch.empty((B * h, kp.chunks, d), **f32)
+    _key_grad_kernel[(B * h, kp.chunks)](
+        k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dk, ds, n, h, d, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), stride_m, dk.stride(0), dk.stride(1), p, kp.blocks_per_prog,
+        HAS_MASK=has_mask, BH=triton.next_power_of_2(h), **_launch_opts(kp))
+    return dk, dv, ds.view(B, h, kp.chunks, d).sum((0, 2)).reshape(C)
+
+
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
+             km: Tensor, stats_q: Tensor, stats_k: Tensor, p: float, num_heads: int,
+             key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """Gradients for q, k, v and s_inv (fp32, (C,)) given that of out."""
+    dq, ds_q, dkv, dkm = _query_backward(grad_out, q, s_inv, kv, km, stats_q, p, num_heads,
+                                         v.dtype)
+    dk, dv, ds_k = _key_backward(k, v, s_inv, dkv, dkm, stats_k, p, num_heads, key_mask)
+    return dq, dk, dv, ds_q + ds_k

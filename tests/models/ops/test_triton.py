@@ -1,0 +1,219 @@
+"""The 'triton' backend of the attention core against the reference formula.
+
+Without CUDA the kernels run under Triton's CPU interpreter (conftest.py), so the
+shapes are tiny; the interpreter tiles by 16 tokens, two blocks per program, so
+N = 37 crosses block and chunk borders. Errors are measured as
+``||x - ref||_F / ||ref||_F`` over the whole tensor, the reference in float64
+on the same (rounded) inputs.
+
+Tolerances: fp32 1e-4. Half precision stores q, k, v, out and the gradients in
+16 bits, and on CUDA narrows the dot operands (u, phi, the states) to bf16, or
+to tf32 for fp16 inputs (fp16's mantissa): each rounding costs at most one unit
+roundoff (fp16 2^-11 ~ 4.9e-4, bf16 2^-8 ~ 3.9e-3), and a gradient passes
+through a few of them, so fp16 is held to 5e-3 and bf16 to 3e-2 (about ten
+units; a wrong formula is off by O(1)). Under the interpreter the dots of
+both run on fp32 operands (tl.dot on bf16 is wrong there).
+
+A single key makes the gradients of q and k eps-sized differences, which no fp32
+backend resolves to 1e-4: the cases keep at least two keys.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flatten_mm.models.ops import available_backends, focused_linear_attention, use_backend
+from flatten_mm.models.ops import triton_backend as tb
+
+pytestmark = pytest.mark.skipif(not tb.AVAILABLE, reason='triton does not import')
+
+DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+NAMES = ('out', 'q', 'k', 'v', 'scale')
+
+
+def inputs(B, N, n, C, dtype, masked=False, device=DEVICE):
+    """q, k, v (rounded to dtype), scale (fp32), key mask, output gradient."""
+    q = torch.randn(B, N, C, device=device).to(dtype)
+    k = torch.randn(B, n, C, device=device).to(dtype)
+    v = torch.randn(B, n, C, device=device).to(dtype)
+    scale = (0.5 * torch.randn(1, 1, C, device=device))
+    mask = None
+    if masked:  # padded tail keys, as a padded window, and a few random holes
+        mask = torch.rand(B, n, device=device) > 0.2
+        mask[:, -(n // 4 + 1):] = False
+        mask[:, 0] = True
+    g = torch.randn(B, N, C, device=device)
+    return q, k, v, scale, mask, g
+
+
+def run(backend, q, k, v, scale, p, h, mask, g, dtype=None):
+    """Output and gradients for q, k, v and scale of one backend (inputs cast to dtype)."""
+    ts = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    s = scale.detach().to(dtype or scale.dtype).requires_grad_()
+    with use_backend(backend):
+        out = focused_linear_attention(ts[0], ts[1], ts[2], s, p, h, mask)
+    return [out] + list(torch.autograd.grad(out, ts + [s], g.to(out.dtype)))
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def check(dtype, B, N, n, C, h, p, masked, tol=None):
+    q, k, v, scale, mask, g = inputs(B, N, n, C, dtype, masked)
+    got = run('triton', q, k, v, scale, p, h, mask, g)
+    ref = run('reference', q, k, v, scale, p, h, mask, g, torch.float64)
+    assert got[0].dtype == dtype and got[0].shape == (B, N, C)
+    for name, x, r in zip(NAMES, got, ref):
+        assert x.shape == r.shape, name
+        assert torch.isfinite(x).all(), name
+        err = rel_err(x, r)
+        assert err < (tol or TOL[dtype]), f'{name}: relative error {err:.2e}'
+
+
+@pytest.mark.parametrize('B,N,n,C,h,p,masked', [
+    (2, 37, 37, 64, 2, 3.0, True),  # key mask with padded keys, batch 2, d = 32
+    (2, 37, 10, 48, 2, 3.0, False),  # reduced keys (n != N), d = 24
+    (1, 37, 37, 32, 1, 1.0, False),  # one head, p = 1
+    (2, 21, 21, 24, 1, 50.0, True),  # p = 50: finite and equal
+    (1, 37, 9, 96, 3, 3.0, True),  # three heads, reduced and masked keys
+    (1, 5, 3, 8, 2, 2.0, False),  # d = 4: padded far up to 16
+    (3, 1, 2, 16, 2, 3.0, False),  # one query (one key: q, k get only eps-sized gradients)
+])
+def test_fp32_matches_reference(B, N, n, C, h, p, masked):
+    check(torch.float32, B, N, n, C, h, p, masked)
+
+
+@pytest.mark.parametrize('B,N,n,C,h,p,masked', [
+    (2, 37, 37, 64, 2, 3.0, True),
+    (1, 37, 10, 24, 1, 50.0, False),
+])
+def test_fp16_matches_reference(B, N, n, C, h, p, masked):
+    check(torch.float16, B, N, n, C, h, p, masked)
+
+
+def test_bf16_matches_reference():
+    # under the interpreter bf16 loads and stores, fp32 dot operands (tl.dot on
+    # bf16 is wrong there); on CUDA the real bf16 dots
+    check(torch.bfloat16, 2, 37, 37, 64, 2, 3.0, True)
+
+
+def test_strided_views_of_one_projection():
+    """q, k, v as column slices of one (B, N, 3C) projection (the layers' qkv):
+    read in place through their strides; gradients as the reference's."""
+    B, N, C, h = 2, 21, 32, 2
+    qkv = torch.randn(B, N, 3 * C, device=DEVICE)
+    scale = 0.5 * torch.randn(1, 1, C, device=DEVICE)
+    g = torch.randn(B, N, C, device=DEVICE)
+    results = []
+    for backend, dtype in (('triton', torch.float32), ('reference', torch.float64)):
+        x = qkv.detach().to(dtype).requires_grad_()
+        s = scale.detach().to(dtype).requires_grad_()
+        q, k, v = x.split(C, dim=-1)
+        with use_backend(backend):
+            out = focused_linear_attention(q, k, v, s, 3.0, h, consume_qk=True)
+        results.append([out] + list(torch.autograd.grad(out, (x, s), g.to(dtype))))
+        assert torch.equal(x.detach().to(torch.float32), qkv)  # q and k only read
+    for name, got, ref in zip(('out', 'qkv', 'scale'), *results):
+        assert rel_err(got, ref) < TOL[torch.float32], name
+
+
+def test_registered_and_not_auto_on_cpu():
+    assert 'triton' in available_backends()
+    q, k, v, *_ = inputs(1, 4, 4, 8, torch.float32, device='cpu')
+    assert not tb.supports(q, k, v, None)  # 'auto' never sends CPU tensors here
+
+
+def test_clear_errors(monkeypatch):
+    q, k, v, scale, _, _ = inputs(1, 5, 5, 8, torch.float32, device='cpu')
+    with use_backend('triton'):
+        with pytest.raises(ValueError, match='num_heads'):
+            focused_linear_attention(q, k, v, scale, 3.0, 3)
+        with pytest.raises(ValueError, match='float64'):
+            focused_linear_attention(q.double(), k, v, scale, 3.0, 2)
+        with pytest.raises(ValueError, match='key_mask'):
+            focused_linear_attention(q, k, v, scale, 3.0, 2, torch.ones(1, 4, dtype=torch.bool))
+        big = torch.zeros(1, 2, 2 * (tb.MAX_HEAD_DIM + 1))
+        with pytest.raises(ValueError, match=f'd={tb.MAX_HEAD_DIM + 1}'):
+            focused_linear_attention(big, big, big, big[0, 0], 3.0, 2)
+        monkeypatch.setattr(tb, 'interpreted', lambda: False)
+        with pytest.raises(RuntimeError, match='TRITON_INTERPRET'):
+            focused_linear_attention(q, k, v, scale, 3.0, 2)
+
+
+def op_args(masked):
+    q, k, v, scale, mask, _ = inputs(2, 9, 5, 16, torch.float32, masked)
+    s_inv = (1.0 / F.softplus(scale)).reshape(-1)
+    return [t.requires_grad_() for t in (q, k, v, s_inv)] + [3.0, 2, mask]
+
+
+def test_opcheck():
+    """Schema, fake implementation, autograd registration and AOT dispatch of both ops
+    (with a key mask; compile and export below pass None)."""
+    args = op_args(True)
+    torch.library.opcheck(torch.ops.flatten_mm.triton_attention.default, args)
+    out, kv, km, stats_q, stats_k = torch.ops.flatten_mm.triton_attention(*args)
+    g = torch.randn_like(out)
+    bwd_args = [g] + [a.detach() if torch.is_tensor(a) else a for a in args[:4]] + \
+        [kv, km, stats_q, stats_k] + args[4:]
+    torch.library.opcheck(torch.ops.flatten_mm.triton_attention_backward.default, bwd_args)
+
+
+def test_compile_fullgraph_one_op_each():
+    """torch.compile(fullgraph=True) traces the dispatch call into the forward op, and
+    AOT autograd's backward graph into the backward op; results equal eager."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def record(gm, _):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == 'call_function'})
+        return make_boxed_func(gm.forward)
+
+    def f(q, k, v, scale, mask):
+        return focused_linear_attention(q, k, v, scale, 3.0, 2, mask) * 2
+
+    q, k, v, scale, mask, g = inputs(2, 19, 7, 48, torch.float32, True)
+    torch._dynamo.reset()
+    with use_backend('triton'):
+        compiled = torch.compile(f, fullgraph=True,
+                                 backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        got = run_fn(compiled, q, k, v, scale, mask, g)
+        want = run_fn(f, q, k, v, scale, mask, g)
+    assert any('flatten_mm.triton_attention.default' in s for s in graphs)
+    assert any('flatten_mm.triton_attention_backward.default' in s for s in graphs)
+    for name, x, r in zip(NAMES, got, want):
+        torch.testing.assert_close(x, r, msg=name)
+
+
+def run_fn(fn, q, k, v, scale, mask, g):
+    ts = [t.detach().clone().requires_grad_() for t in (q, k, v, scale)]
+    out = fn(*ts, mask)
+    return [out] + list(torch.autograd.grad(out, ts, g))
+
+
+def test_export():
+    class Core(torch.nn.Module):
+
+        def forward(self, q, k, v, scale):
+            return focused_linear_attention(q, k, v, scale, 3.0, 2)
+
+    q, k, v, scale, _, _ = inputs(1, 9, 9, 16, torch.float32)
+    with use_backend('triton'):
+        ep = torch.export.export(Core(), (q, k, v, scale))
+        want = Core()(q, k, v, scale)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == 'call_function']
+    assert 'flatten_mm.triton_attention.default' in targets
+    torch.testing.assert_close(ep.module()(q, k, v, scale), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('B,N,n,C,h,masked', [
+    (2, 3000, 3000, 96, 3, False),  # Swin/CSwin-like heads, d = 32
+    (2, 3000, 3000 // 64, 64, 1, False),  # PVT stage 1: one head, keys reduced 8x8
+    (2, 3000, 3000, 64, 2, True),  # padded windows' key mask
+])
+def test_cuda_bf16_matches_reference(B, N, n, C, h, masked):
+    """Real bf16 tensor-core dots on GPU shapes, 3e-2 (module docstring); fp32 exact."""
+    check(torch.bfloat16, B, N, n, C, h, 3.0, masked)
+    check(torch.float32, B, N, n, C, h, 3.0, masked, tol=1e-4)
