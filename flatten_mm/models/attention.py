@@ -23,8 +23,9 @@ class FocusedLinearAttention(nn.Module):
     """Focused linear attention with depth-wise-conv rank restoration.
 
     Parameter names follow the official release (``q``, ``kv``, ``proj``,
-    ``sr``, ``norm``, ``dwc``, ``scale``, ``positional_encoding``); a
-    checkpoint with a fused ``qkv`` projection (FLatten-Swin) is split on load.
+    ``sr``, ``norm``, ``dwc``, ``scale``, ``positional_encoding``); the
+    release's fused ``qkv`` (FLatten-Swin, -CSwin) is split by its model's
+    conversion (:mod:`flatten_mm.conversion`).
 
     Args:
         embed_dims (int): channels C.
@@ -94,7 +95,6 @@ class FocusedLinearAttention(nn.Module):
         self.scale = nn.Parameter(torch.zeros(1, 1, embed_dims))
         self.positional_encoding = nn.Parameter(
             torch.zeros(1, self.pos_grid[0] * self.pos_grid[1], embed_dims))
-        self._register_load_state_dict_pre_hook(self._convert_official)
 
     def extra_repr(self) -> str:
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
@@ -193,25 +193,3 @@ class FocusedLinearAttention(nn.Module):
         ``consume_qk``, q and k may be overwritten when no gradient is recorded."""
         return focused_linear_attention(q, k, v, self.scale, self.focusing_factor,
                                         self.num_heads, key_mask, consume_qk)
-
-    def _convert_official(self, state_dict, prefix, *args, **kwargs):
-        """Load pre-hook: split a fused ``qkv`` projection into ``q`` and ``kv``
-        and resize a positional encoding defined on another grid."""
-        C = self.embed_dims
-        for kind in ('weight', 'bias'):
-            fused = state_dict.pop(f'{prefix}qkv.{kind}', None)
-            if fused is not None:
-                state_dict[f'{prefix}q.{kind}'] = fused[:C]
-                state_dict[f'{prefix}kv.{kind}'] = fused[C:]
-        key = f'{prefix}positional_encoding'
-        pe = state_dict.get(key)
-        if pe is not None and pe.dim() == 3 and pe.shape[-1] == C \
-                and pe.shape[1] != self.positional_encoding.shape[1]:
-            side = int(round(pe.shape[1] ** 0.5))
-            if side * side == pe.shape[1]:
-                state_dict[key] = resize_tokens(pe.float(), (side, side),
-                                                self.pos_grid).to(pe.dtype)
-                from mmengine.logging import print_log
-                print_log(f'{key}: resized the positional encoding from '
-                          f'{side}x{side} to {self.pos_grid[0]}x{self.pos_grid[1]}',
-                          logger='current')
