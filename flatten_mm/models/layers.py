@@ -227,8 +227,9 @@ class WindowSoftmaxAttention(nn.Module):
         qkv = self.qkv(x).view(B, H, W, 3 * C)
         windows, layout = window_partition(qkv, self.window_size, offset)
         table = self.relative_position_bias_table
-        bias = inference_cached(self, ('bias', tuple(hw_shape), layout, B, qkv.dtype),
-                           lambda: self.attention_bias(hw_shape, layout, B, qkv.dtype), (table,))
+        bias = inference_cached(
+            self, ('bias', tuple(hw_shape), layout, B, qkv.dtype),
+            lambda: self.attention_bias(hw_shape, layout, B, qkv.dtype), (table,))
         out = window_merge(self.attend(windows, bias), self.window_size, hw_shape, layout)
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
 
