@@ -46,42 +46,35 @@ class Stage(nn.Module):
     def extra_repr(self) -> str:
         return f'{self.index}: ' + ', '.join(self.entry_names + self.part_names)
 
-    @staticmethod
-    def part(backbone: nn.Module, name: str):
-        """The module or parameter at attribute path ``name`` of ``backbone``."""
-        for attr in name.split('.'):
-            backbone = getattr(backbone, attr)
-        return backbone
-
     def parts(self, backbone: nn.Module) -> list:
         """This stage's modules and parameters that ``backbone`` still holds."""
-        return [self.part(backbone, n) for n in self.part_names if has_part(backbone, n)]
+        found = (find_part(backbone, name) for name in self.part_names)
+        return [part for part in found if part is not None]
 
     @staticmethod
     def run_blocks(backbone: 'FLattenBackbone', blocks, x: Tensor, hw_shape: HWShape) -> Tensor:
+        """``blocks`` one after the other (through the backbone's
+        gradient checkpointing when it is on)."""
         for block in blocks:
             x = backbone.run_block(block, x, hw_shape)
         return x
 
 
-def has_part(module: nn.Module, name: str) -> bool:
-    """Whether attribute path ``name`` leads to something set (not None)."""
+def find_part(module: nn.Module, name: str):
+    """The module or parameter at attribute path ``name`` (``'layers.0.downsample'``)
+    of ``module``; None when there is none."""
     for attr in name.split('.'):
         module = getattr(module, attr, None)
         if module is None:
-            return False
-    return True
+            return None
+    return module
 
 
 def delete_part(module: nn.Module, name: str) -> None:
     """Delete the module or parameter at attribute path ``name``, if any."""
-    *path, last = name.split('.')
-    owner = module
-    for attr in path:
-        owner = getattr(owner, attr, None)
-        if owner is None:
-            return
-    if hasattr(owner, last):
+    parent, _, last = name.rpartition('.')
+    owner = find_part(module, parent) if parent else module
+    if owner is not None and hasattr(owner, last):
         delattr(owner, last)
 
 
