@@ -15,16 +15,54 @@ from torch import Tensor, nn
 
 from .ops import depthwise_conv, focused_linear_attention
 from .resize import add_resized, resize_parts, resize_tokens
-from .utils import (HWShape, add_projections, check_positive_int, eval_cached, map_to_tokens,
-                    spatial_reduce, tokens_to_map, to_2tuple_checked)
+from .utils import (HWShape, add_projections, check_positive_int, inference_cached,
+                    map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
+
+
+def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
+                         kernel_size: int, attn_drop: float, lepe: bool) -> None:
+    """The checks of :class:`FocusedLinearAttention`'s arguments (ValueError)."""
+    check_positive_int('embed_dims', embed_dims)
+    check_positive_int('num_heads', num_heads)
+    if embed_dims % num_heads:
+        raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
+                         f'num_heads ({num_heads})')
+    check_positive_int('sr_ratio', sr_ratio)
+    check_positive_int('kernel_size', kernel_size)
+    if kernel_size % 2 == 0:
+        raise ValueError(f'kernel_size must be odd (the DWC keeps the grid '
+                         f'size), got {kernel_size}')
+    if not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
+        raise ValueError(f'focusing_factor must be a number > 0, got '
+                         f'{focusing_factor!r}')
+    if attn_drop:
+        raise ValueError(f'attn_drop must be 0 for linear attention (no '
+                         f'attention matrix is formed), got {attn_drop}')
+    if lepe and sr_ratio > 1:
+        raise ValueError(f'lepe needs sr_ratio=1 (it is a conv on V on the query '
+                         f'grid), got sr_ratio={sr_ratio}')
+
+
+def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor],
+                          embed_dims: int, sr_ratio: int) -> None:
+    """The checks of :meth:`FocusedLinearAttention.forward`'s input (ValueError)."""
+    if x.dim() != 3 or x.shape[-1] != embed_dims:
+        raise ValueError(f'x must be (B, N, {embed_dims}), got {tuple(x.shape)}')
+    H, W = hw_shape
+    if H * W != x.shape[1]:
+        raise ValueError(f'hw_shape {tuple(hw_shape)} does not match N={x.shape[1]}')
+    if key_mask is not None and sr_ratio > 1:
+        raise ValueError('key_mask needs sr_ratio=1: reduced keys mix padded '
+                         f'and real tokens (sr_ratio={sr_ratio})')
 
 
 class FocusedLinearAttention(nn.Module):
     """Focused linear attention with depth-wise-conv rank restoration.
 
     Parameter names follow the official release (``q``, ``kv``, ``proj``,
-    ``sr``, ``norm``, ``dwc``, ``scale``, ``positional_encoding``); a
-    checkpoint with a fused ``qkv`` projection (FLatten-Swin) is split on load.
+    ``sr``, ``norm``, ``dwc``, ``scale``, ``positional_encoding``); the
+    release's fused ``qkv`` (FLatten-Swin, -CSwin) is split by its model's
+    conversion (:mod:`flatten_mm.conversion`).
 
     Args:
         embed_dims (int): channels C.
@@ -58,25 +96,8 @@ class FocusedLinearAttention(nn.Module):
                  proj_drop: float = 0.,
                  lepe: bool = False):
         super().__init__()
-        check_positive_int('embed_dims', embed_dims)
-        check_positive_int('num_heads', num_heads)
-        if embed_dims % num_heads:
-            raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
-                             f'num_heads ({num_heads})')
-        check_positive_int('sr_ratio', sr_ratio)
-        check_positive_int('kernel_size', kernel_size)
-        if kernel_size % 2 == 0:
-            raise ValueError(f'kernel_size must be odd (the DWC keeps the grid '
-                             f'size), got {kernel_size}')
-        if not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
-            raise ValueError(f'focusing_factor must be a number > 0, got '
-                             f'{focusing_factor!r}')
-        if attn_drop:
-            raise ValueError(f'attn_drop must be 0 for linear attention (no '
-                             f'attention matrix is formed), got {attn_drop}')
-        if lepe and sr_ratio > 1:
-            raise ValueError(f'lepe needs sr_ratio=1 (it is a conv on V on the query '
-                             f'grid), got sr_ratio={sr_ratio}')
+        check_attention_args(embed_dims, num_heads, sr_ratio, focusing_factor, kernel_size,
+                             attn_drop, lepe)
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
@@ -94,7 +115,6 @@ class FocusedLinearAttention(nn.Module):
         self.scale = nn.Parameter(torch.zeros(1, 1, embed_dims))
         self.positional_encoding = nn.Parameter(
             torch.zeros(1, self.pos_grid[0] * self.pos_grid[1], embed_dims))
-        self._register_load_state_dict_pre_hook(self._convert_official)
 
     def extra_repr(self) -> str:
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
@@ -116,8 +136,8 @@ class FocusedLinearAttention(nn.Module):
     def add_positional_encoding_(self, k: Tensor, grid: HWShape) -> Tensor:
         """k (B, h*w, C) plus the positional encoding resized to ``grid``, in place."""
         pe = self.positional_encoding
-        parts = eval_cached(self, ('pe', tuple(grid)),
-                            lambda: resize_parts(pe, self.pos_grid, grid), (pe,))
+        parts = inference_cached(self, ('pe', tuple(grid)),
+                                 lambda: resize_parts(pe, self.pos_grid, grid), (pe,))
         return add_resized(k, parts, inplace=True)
 
     def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:
@@ -171,47 +191,18 @@ class FocusedLinearAttention(nn.Module):
         Returns:
             Tensor: (B, N, C).
         """
-        if x.dim() != 3 or x.shape[-1] != self.embed_dims:
-            raise ValueError(f'x must be (B, N, {self.embed_dims}), got {tuple(x.shape)}')
-        H, W = hw_shape
-        if H * W != x.shape[1]:
-            raise ValueError(f'hw_shape {tuple(hw_shape)} does not match N={x.shape[1]}')
-        if key_mask is not None and self.sr_ratio > 1:
-            raise ValueError('key_mask needs sr_ratio=1: reduced keys mix padded '
-                             f'and real tokens (sr_ratio={self.sr_ratio})')
+        check_attention_input(x, hw_shape, key_mask, self.embed_dims, self.sr_ratio)
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
-        out = self.attend(q, k, v, key_mask, consume_qk=True)  # q, k are ours
+        out = self.attend(q, k, v, key_mask, overwrite_qk=True)  # q, k are ours
         out = out.add_(self.depthwise_conv(v, grid, hw_shape))  # attend's own buffer
         return self.proj_drop(self.proj(out))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
-               consume_qk: bool = False) -> Tensor:
+               overwrite_qk: bool = False) -> Tensor:
         """Focused mapping and linear attention of projected q, k, v (the core
         op, :func:`~flatten_mm.models.ops.focused_linear_attention`). With
-        ``consume_qk``, q and k may be overwritten when no gradient is recorded."""
+        ``overwrite_qk``, q and k may be overwritten when no gradient is recorded."""
         return focused_linear_attention(q, k, v, self.scale, self.focusing_factor,
-                                        self.num_heads, key_mask, consume_qk)
-
-    def _convert_official(self, state_dict, prefix, *args, **kwargs):
-        """Load pre-hook: split a fused ``qkv`` projection into ``q`` and ``kv``
-        and resize a positional encoding defined on another grid."""
-        C = self.embed_dims
-        for kind in ('weight', 'bias'):
-            fused = state_dict.pop(f'{prefix}qkv.{kind}', None)
-            if fused is not None:
-                state_dict[f'{prefix}q.{kind}'] = fused[:C]
-                state_dict[f'{prefix}kv.{kind}'] = fused[C:]
-        key = f'{prefix}positional_encoding'
-        pe = state_dict.get(key)
-        if pe is not None and pe.dim() == 3 and pe.shape[-1] == C \
-                and pe.shape[1] != self.positional_encoding.shape[1]:
-            side = int(round(pe.shape[1] ** 0.5))
-            if side * side == pe.shape[1]:
-                state_dict[key] = resize_tokens(pe.float(), (side, side),
-                                                self.pos_grid).to(pe.dtype)
-                from mmengine.logging import print_log
-                print_log(f'{key}: resized the positional encoding from '
-                          f'{side}x{side} to {self.pos_grid[0]}x{self.pos_grid[1]}',
-                          logger='current')
+                                        self.num_heads, key_mask, overwrite_qk)

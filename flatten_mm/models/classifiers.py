@@ -4,11 +4,12 @@ with timm's model interface.
 Each classifier *is* its dense backbone (a subclass) plus the released head,
 so both share every module, and the official parameter names load strictly.
 """
-from typing import Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import List, Optional, Set, Tuple, Union
 
 from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
+from ..conversion import checkpoint_filter_fn, pvt_convert
 from .utils import HWShape
 from .layers import stage_output
 from .backbones.flatten_cswin import FLattenCSwin
@@ -36,46 +37,10 @@ def take_indices(num_stages: int, indices: Optional[Union[int, List[int]]]) -> L
     return taken
 
 
-def to_mmpretrain(model: nn.Module) -> Dict[str, Tensor]:
-    """The state dict of the mmpretrain ``ImageClassifier`` equal to the
-    timm classifier ``model``: its dense backbone with ``out_indices=(3,)``
-    (``backbone.*``, the final norm as that backbone's output norm), a GAP
-    neck and a ``LinearClsHead`` (``head.fc.*``)."""
-    final = getattr(model, 'dense_final_norm', None)
-    out = {}
-    for key, value in model.state_dict().items():
-        if key.startswith('head.'):
-            out['head.fc.' + key[len('head.'):]] = value
-        elif final and key.startswith('norm.'):
-            out[f'backbone.{final}.' + key[len('norm.'):]] = value
-        else:
-            out['backbone.' + key] = value
-    return out
-
-
-def is_mmpretrain_classifier(state_dict: dict) -> bool:
-    return 'head.fc.weight' in state_dict and any(k.startswith('backbone.') for k in state_dict)
-
-
-def from_mmpretrain(state_dict: Dict[str, Tensor], model: nn.Module) -> Dict[str, Tensor]:
-    """An mmpretrain ``ImageClassifier`` state dict (see :func:`to_mmpretrain`)
-    in the names of the timm classifier ``model``."""
-    final = getattr(model, 'dense_final_norm', None)
-    out = {}
-    for key, value in state_dict.items():
-        if key.startswith('head.fc.'):
-            out['head.' + key[len('head.fc.'):]] = value
-        elif final and key.startswith(f'backbone.{final}.'):
-            out['norm.' + key[len(f'backbone.{final}.'):]] = value
-        elif key.startswith('backbone.'):
-            out[key[len('backbone.'):]] = value
-    return out
-
-
 class ClassifierMixin:
-    """Head, pooling and timm's classifier interface over ``stage_tokens``
-    (each stage's tokens) and ``final_features`` (the unpooled features of
-    the last stage, in ``output_fmt``)."""
+    """Head, pooling and timm's classifier interface over the backbone's
+    ``forward_stages`` (each stage's tokens) and ``final_features`` (the
+    unpooled features of the last stage, in ``output_fmt``)."""
     num_features: int
     head: nn.Module
     output_fmt: str = 'NCHW'
@@ -89,8 +54,9 @@ class ClassifierMixin:
         self.num_features = self.head_hidden_size = self.embed_dims[-1]
         self.global_pool = global_pool
         self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-        self.feature_info = [dict(num_chs=c, reduction=4 * 2 ** i, module=self.stage_name(i))
-                             for i, c in enumerate(self.embed_dims)]
+        self.feature_info = [dict(num_chs=c, reduction=4 * 2 ** stage.index,
+                                  module=stage.output_name)
+                             for stage, c in zip(self.stages, self.embed_dims)]
 
     def get_classifier(self) -> nn.Module:
         return self.head
@@ -115,7 +81,7 @@ class ClassifierMixin:
 
     def forward_features(self, x: Tensor) -> Tensor:
         """Unpooled features of the last stage, in ``output_fmt``."""
-        for _, tokens, hw_shape in self.stage_tokens(x, self.num_stages - 1):
+        for _, tokens, hw_shape in self.forward_stages(x):
             pass
         return self.final_features(tokens, hw_shape)
 
@@ -137,7 +103,7 @@ class ClassifierMixin:
         taken = take_indices(self.num_stages, indices)
         last = max(taken) if stop_early or intermediates_only else self.num_stages - 1
         intermediates = []
-        for i, tokens, hw_shape in self.stage_tokens(x, last):
+        for i, tokens, hw_shape in self.forward_stages(x, last):
             if i in taken:
                 final_norm = norm and i == self.num_stages - 1
                 intermediates.append(stage_output(self.norm(tokens) if final_norm else tokens,
@@ -153,10 +119,7 @@ class ClassifierMixin:
         with ``prune_norm``, the head with ``prune_head``), so no parameter
         is left that forward does not use. Returns the stage indices."""
         taken = take_indices(self.num_stages, indices)
-        self.drop_stages_after(max(taken))
-        self.embed_dims = self.embed_dims[:max(taken) + 1]
-        self.num_stages = max(taken) + 1
-        self.out_indices = tuple(i for i in self.out_indices if i < self.num_stages)
+        self.prune_stages(max(taken) + 1)
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:
@@ -169,67 +132,49 @@ class ClassifierMixin:
         """timm's ``custom_load`` hook: load any released file (or an
         mmpretrain checkpoint) through the safe loader
         (``pretrained_cfg_overlay=dict(file=..., custom_load=True)``)."""
-        from ..registry import checkpoint_filter_fn
         self.load_state_dict(checkpoint_filter_fn(load_checkpoint_file(path), self))
 
 
-class FLattenPVTClassifier(ClassifierMixin, FLattenPVT):
-    """FLatten-PVT classifier: the pyramid, average pooling, head.
+class PyramidClassifierMixin(ClassifierMixin):
+    """The classifiers of FLatten-PVT and -PVTv2: the pyramid, average
+    pooling, head (the PVTv2 stage norms are part of the body)."""
+    norm = nn.Identity()  # forward_intermediates(norm=True) has no norm to apply
+
+    def __init__(self, arch: str, num_classes: int = 1000, global_pool: str = 'avg',
+                 in_chans: int = 3, **kwargs):
+        super().__init__(arch=arch, in_channels=in_chans, **kwargs)
+        self._build_head(num_classes, global_pool)
+        self.default_init()
+
+    def final_features(self, tokens: Tensor, hw_shape: HWShape, norm: bool = True) -> Tensor:
+        return stage_output(tokens, hw_shape)
+
+
+class FLattenPVTClassifier(PyramidClassifierMixin, FLattenPVT):
+    """FLatten-PVT classifier (see :class:`PyramidClassifierMixin`).
 
     The release also defines a final ``norm`` that its forward never applies;
     it is left out here (a parameter without gradient breaks DDP without
     ``find_unused_parameters``), and dropped from released checkpoints on load.
     """
-    norm = nn.Identity()  # forward_intermediates(norm=True) has no norm to apply
     unused_official = ('norm.weight', 'norm.bias')
 
-    def __init__(self, arch: str = 'tiny', num_classes: int = 1000, global_pool: str = 'avg',
-                 in_chans: int = 3, **kwargs):
-        super().__init__(arch=arch, in_channels=in_chans, **kwargs)
-        self._build_head(num_classes, global_pool)
-        self.default_init()
-        self._register_load_state_dict_pre_hook(self._drop_unused_official)
+    def __init__(self, arch: str = 'tiny', **kwargs):
+        super().__init__(arch=arch, **kwargs)
 
-    def _drop_unused_official(self, state_dict, prefix, *args, **kwargs):
-        for key in self.unused_official:
-            state_dict.pop(prefix + key, None)
-
-    @staticmethod
-    def stage_name(i: int) -> str:
-        return f'block{i + 1}'
-
-    def stage_tokens(self, x: Tensor, last: int) -> Iterator[Tuple[int, Tensor, HWShape]]:
-        """Yield (stage index, tokens (B, N, C), grid) for stages 0..last."""
-        for i in range(last + 1):
-            tokens, hw_shape = self.forward_stage(i, x)
-            yield i, tokens, hw_shape
-            x = stage_output(tokens, hw_shape)
-
-    def final_features(self, tokens: Tensor, hw_shape: HWShape, norm: bool = True) -> Tensor:
-        return stage_output(tokens, hw_shape)
-
-    def drop_stages_after(self, last: int):
-        for i in range(last + 2, self.num_stages + 1):
-            for name in (f'patch_embed{i}', f'pos_embed{i}', f'block{i}', f'norm{i}'):
-                if hasattr(self, name):
-                    delattr(self, name)
+    def convert_official(self, state_dict: dict) -> dict:
+        return {k: v for k, v in pvt_convert(state_dict).items()
+                if k not in self.unused_official}
 
 
-class FLattenPVTv2Classifier(FLattenPVTClassifier):
-    """FLatten-PVTv2 classifier (the stage norms are part of the body)."""
-    version = 2
-    arch_zoo = FLattenPVTv2.arch_zoo
-    unused_official = ()
+class FLattenPVTv2Classifier(PyramidClassifierMixin, FLattenPVTv2):
+    """FLatten-PVTv2 classifier (see :class:`PyramidClassifierMixin`)."""
 
     def __init__(self, arch: str = 'b0', **kwargs):
         super().__init__(arch=arch, **kwargs)
 
-    @staticmethod
-    def stage_name(i: int) -> str:
-        return f'norm{i + 1}'  # the stage's output is after its norm
 
-
-class FinalNormClassifierMixin(ClassifierMixin):
+class SwinLikeClassifierMixin(ClassifierMixin):
     """The classifiers of the Swin-like backbones: a final LayerNorm (the
     dense backbone's last output norm, ``norm3``), average pooling, head.
     Features are channels-last (NHWC), as timm's Swin gives them; the stage
@@ -247,39 +192,15 @@ class FinalNormClassifierMixin(ClassifierMixin):
     def _add_output_norms(self, out_indices):
         pass  # one final norm instead
 
-    def stage_tokens(self, x: Tensor, last: int) -> Iterator[Tuple[int, Tensor, HWShape]]:
-        """Yield (stage index, tokens (B, N, C), grid) for stages 0..last."""
-        for i, tokens, hw_shape in self.forward_stages(x):
-            yield i, tokens, hw_shape
-            if i == last:
-                return
-
     def final_features(self, tokens: Tensor, hw_shape: HWShape, norm: bool = True) -> Tensor:
         if norm:
             tokens = self.norm(tokens)
         return tokens.view(tokens.shape[0], hw_shape[0], hw_shape[1], -1)
 
 
-class FLattenSwinClassifier(FinalNormClassifierMixin, FLattenSwin):
-    """FLatten-Swin classifier (see :class:`FinalNormClassifierMixin`)."""
-
-    @staticmethod
-    def stage_name(i: int) -> str:
-        return f'layers.{i}'
-
-    def drop_stages_after(self, last: int):
-        self.layers = self.layers[:last + 1]
-        self.layers[last].downsample = None
+class FLattenSwinClassifier(SwinLikeClassifierMixin, FLattenSwin):
+    """FLatten-Swin classifier (see :class:`SwinLikeClassifierMixin`)."""
 
 
-class FLattenCSwinClassifier(FinalNormClassifierMixin, FLattenCSwin):
-    """FLatten-CSwin classifier (see :class:`FinalNormClassifierMixin`)."""
-
-    @staticmethod
-    def stage_name(i: int) -> str:
-        return f'stage{i + 1}'
-
-    def drop_stages_after(self, last: int):
-        for i in range(last + 1, self.num_stages):
-            delattr(self, f'stage{i + 1}')
-            delattr(self, f'merge{i}')
+class FLattenCSwinClassifier(SwinLikeClassifierMixin, FLattenCSwin):
+    """FLatten-CSwin classifier (see :class:`SwinLikeClassifierMixin`)."""

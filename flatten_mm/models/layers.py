@@ -1,5 +1,6 @@
-"""Building blocks shared by the FLatten backbones: MLPs, softmax attention
-for the ``S`` stages, window partitioning with masked padding, DropPath."""
+"""Building blocks shared by the FLatten backbones: patch embedding, MLPs,
+softmax attention for the ``S`` stages, window partitioning with masked
+padding, DropPath."""
 from typing import Optional, Tuple
 
 import torch
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from .utils import (HWShape, add_projections, check_positive_int, eval_cached, map_to_tokens,
-                    spatial_reduce, tokens_to_map)
+from .utils import (HWShape, add_projections, check_positive_int, inference_cached,
+                    map_to_tokens, pad_to_multiple, spatial_reduce, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 
 ATTN_TYPES = ('L', 'S')
@@ -55,6 +56,31 @@ def stage_output(x: Tensor, hw_shape: HWShape) -> Tensor:
     wrong values, silently.
     """
     return tokens_to_map(x, hw_shape).contiguous()
+
+
+class PatchEmbed(nn.Module):
+    """Patch embedding: conv (kernel ``patch_size`` with ``stride``) + LayerNorm.
+
+    PVT and Swin use non-overlapping patches (kernel = stride); the input is
+    padded at the bottom/right to a multiple of the stride, so every pixel is
+    covered and the output grid is ceil(H / stride) x ceil(W / stride). PVTv2
+    uses overlapping patches (kernel > stride, padding kernel // 2).
+    """
+
+    def __init__(self, in_channels: int, embed_dims: int, patch_size: int, stride: int):
+        super().__init__()
+        self.stride = stride
+        self.overlap = patch_size > stride
+        self.proj = nn.Conv2d(in_channels, embed_dims, patch_size, stride=stride,
+                              padding=patch_size // 2 if self.overlap else 0)
+        self.norm = nn.LayerNorm(embed_dims)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, HWShape]:
+        if not self.overlap:
+            x = pad_to_multiple(x, self.stride)
+        x = self.proj(x)
+        hw_shape = (x.shape[2], x.shape[3])
+        return self.norm(x.flatten(2).transpose(1, 2)), hw_shape
 
 
 class DropPath(nn.Module):
@@ -183,29 +209,6 @@ class WindowSoftmaxAttention(nn.Module):
         self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
-        self._register_load_state_dict_pre_hook(self._resize_bias_table)
-
-    def _resize_bias_table(self, state_dict, prefix, *args, **kwargs):
-        """Load pre-hook: a bias table learnt for another window (e.g. 7 for
-        the 224 model, fine-tuned at 384 with 12) is resized bicubically, as
-        Swin does; the index buffer is this window's own."""
-        key = f'{prefix}relative_position_bias_table'
-        table = state_dict.get(key)
-        own = self.relative_position_bias_table
-        if table is None or table.shape == own.shape or table.dim() != 2 \
-                or table.shape[1] != own.shape[1]:
-            return
-        side = int(round(table.shape[0] ** 0.5))
-        if side * side != table.shape[0]:
-            return  # not a square window: left for load_state_dict to report
-        wh, ww = self.window_size
-        grid = table.t().reshape(1, -1, side, side).float()
-        grid = F.interpolate(grid, size=(2 * wh - 1, 2 * ww - 1), mode='bicubic',
-                             align_corners=False)
-        state_dict[key] = grid.reshape(own.shape[1], -1).t().to(table.dtype)
-        index = f'{prefix}relative_position_index'
-        if index in state_dict:
-            state_dict[index] = self.relative_position_index
 
     def forward(self, x: Tensor, hw_shape: HWShape, offset: Tuple[int, int] = (0, 0)) -> Tensor:
         """
@@ -224,8 +227,9 @@ class WindowSoftmaxAttention(nn.Module):
         qkv = self.qkv(x).view(B, H, W, 3 * C)
         windows, layout = window_partition(qkv, self.window_size, offset)
         table = self.relative_position_bias_table
-        bias = eval_cached(self, ('bias', tuple(hw_shape), layout, B, qkv.dtype),
-                           lambda: self.attention_bias(hw_shape, layout, B, qkv.dtype), (table,))
+        bias = inference_cached(
+            self, ('bias', tuple(hw_shape), layout, B, qkv.dtype),
+            lambda: self.attention_bias(hw_shape, layout, B, qkv.dtype), (table,))
         out = window_merge(self.attend(windows, bias), self.window_size, hw_shape, layout)
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
 

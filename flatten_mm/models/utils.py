@@ -25,7 +25,7 @@ def to_2tuple_checked(name: str, value) -> HWShape:
     return (check_positive_int(name, pair[0]), check_positive_int(name, pair[1]))
 
 
-def eval_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] = ()):
+def inference_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] = ()):
     """``make()``, computed once per ``key`` while ``module`` is in eval mode
     and no gradient is recorded (inference), else every call.
 
@@ -50,6 +50,9 @@ def eval_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] 
     while len(cache) > 4:
         cache.popitem(last=False)
     return value
+
+
+eval_cached = inference_cached  # the former name
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:
@@ -79,12 +82,7 @@ def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNo
     release, at its fixed training size, never needed this) and maps smaller
     than the stride still give one key.
     """
-    B, N, C = x.shape
-    ratio = sr.stride[0]
-    x = tokens_to_map(x, hw_shape)
-    pad_h, pad_w = -hw_shape[0] % ratio, -hw_shape[1] % ratio
-    if pad_h or pad_w:
-        x = F.pad(x, (0, pad_w, 0, pad_h), mode='replicate')
+    x = pad_to_multiple(tokens_to_map(x, hw_shape), sr.stride[0], mode='replicate')
     x = sr(x)
     grid = (x.shape[2], x.shape[3])
     return norm(map_to_tokens(x)), grid
@@ -102,3 +100,20 @@ def add_projections(module: nn.Module, embed_dims: int, qkv_bias: bool,
     if sr_ratio > 1:
         module.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
         module.norm = nn.LayerNorm(embed_dims)
+
+
+def pad_to_multiple(x: Tensor, multiple: int, mode: str = 'constant') -> Tensor:
+    """A (B, C, H, W) map padded at the bottom/right (zeros, or ``mode`` of
+    ``F.pad``) to sides that are multiples of ``multiple``; ``x`` itself when
+    they are already."""
+    pad_h, pad_w = -x.shape[2] % multiple, -x.shape[3] % multiple
+    if pad_h or pad_w:
+        x = F.pad(x, (0, pad_w, 0, pad_h), mode=mode)
+    return x
+
+
+def stage_grid(img_size: HWShape, stage: int) -> HWShape:
+    """The token grid of stage ``stage`` (strides 4, 8, 16, 32) for images of
+    ``img_size``, as the release sizes its positional terms: floor division."""
+    stride = 4 * 2 ** stage
+    return img_size[0] // stride, img_size[1] // stride

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from flatten_mm import FocusedLinearAttention
 from flatten_mm.analysis import reference_forward
+from flatten_mm.conversion import fit_to_model, swin_convert
 from flatten_mm.models.ops import EPS
 from flatten_mm.models.resize import resize_tokens
 
@@ -173,7 +174,7 @@ def test_fused_qkv_checkpoint_is_split():
     qkv_w = torch.cat([sd.pop('q.weight'), sd.pop('kv.weight')]) + 1
     qkv_b = torch.cat([sd.pop('q.bias'), sd.pop('kv.bias')]) + 1
     sd['qkv.weight'], sd['qkv.bias'] = qkv_w, qkv_b
-    m.load_state_dict(sd)
+    m.load_state_dict(swin_convert(sd))  # what a FLatten-Swin model applies on load
     torch.testing.assert_close(m.q.weight, qkv_w[:16])
     torch.testing.assert_close(m.kv.bias, qkv_b[16:])
 
@@ -182,7 +183,7 @@ def test_positional_encoding_of_other_grid_is_resized_on_load():
     m = FocusedLinearAttention(8, 1, pos_grid=(4, 4))
     sd = m.state_dict()
     sd['positional_encoding'] = torch.ones(1, 64, 8)  # an 8x8 grid
-    m.load_state_dict(sd)
+    m.load_state_dict(fit_to_model(sd, m))  # what every FLatten model applies on load
     torch.testing.assert_close(m.positional_encoding, torch.ones(1, 16, 8))
 
 

@@ -14,7 +14,7 @@ from flatten_mm.models.backbones.flatten_swin import SwinBlock
 
 from official_format import official_state_dict, randomize, write_official_checkpoint
 
-# FLATTEN.md §3, measured on the official classifiers
+# the official classifiers' parameter counts (FLATTEN.md §3)
 OFFICIAL_PARAMS = {
     'flatten_pvt_tiny': 12150504, 'flatten_pvt_small': 21670248,
     'flatten_pvt_medium': 37242216, 'flatten_pvt_large': 50649192,

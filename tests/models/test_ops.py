@@ -159,7 +159,7 @@ def test_token_mlp_frozen_weights():
 @pytest.mark.parametrize('heads', [1, 3])
 def test_core_in_inference_overwrites_only_when_allowed(heads):
     """Without gradients the core may run its focused mapping in q's and k's
-    buffers (consume_qk): same output, and the inputs are left alone otherwise."""
+    buffers (overwrite_qk): same output, and the inputs are left alone otherwise."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 11, 3 * heads, dtype=torch.float64) for _ in range(3))
     s_inv = torch.rand(3 * heads, dtype=torch.float64) + 0.5

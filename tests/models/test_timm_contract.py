@@ -152,3 +152,22 @@ def test_features_only(name):
         (c, 96 // s, 64 // s) for c, s in zip(model.feature_info.channels(), (8, 32))]
     # stages after the last one taken are gone, and so is the head
     assert not any('head' in n for n, _ in model.named_parameters())
+
+
+def test_registered_names_match_the_table_tools_use():
+    """registry.TIMM_MODELS (what tools build a timm name's dense backbone
+    from, without timm) lists exactly the registered models, each with the
+    arch and options of its @register_model function."""
+    from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
+    assert sorted(timm.list_models('flatten_*')) == NAMES
+    dense_cls = dict(pvt=FLattenPVT, pvtv2=FLattenPVTv2, swin=FLattenSwin, cswin=FLattenCSwin)
+    for name in NAMES:
+        kind, arch, extra = TIMM_MODELS[name]
+        with torch.device('meta'):
+            model = timm.create_model(name)
+            dense = dense_cls[kind](arch=arch, **extra)
+        assert isinstance(model, dense_cls[kind]) and model.arch == arch
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        for key, value in dense.state_dict().items():
+            if not key.startswith('norm') or kind == 'pvtv2':
+                assert shapes[key] == value.shape, (name, key)

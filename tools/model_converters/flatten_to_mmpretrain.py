@@ -29,7 +29,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import timm
 
-    from flatten_mm.models.classifiers import to_mmpretrain
+    from flatten_mm.conversion import to_mmpretrain
     from flatten_mm.registry import TIMM_MODELS
     if args.model not in TIMM_MODELS:
         parser.error(f'unknown model {args.model!r}; choose from {sorted(TIMM_MODELS)}')

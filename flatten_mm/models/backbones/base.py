@@ -1,5 +1,6 @@
-"""What every FLatten backbone shares: pretrained loading, stage freezing,
-norm_eval, gradient checkpointing and the default initialisation."""
+"""What every FLatten backbone shares: stages run as modules, weight
+conversion on load, pretrained loading, stage freezing, norm_eval, gradient
+checkpointing and the default initialisation."""
 import math
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -9,22 +10,96 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...checkpoint import load_pretrained
+from ...conversion import convert_on_load
 from ..utils import HWShape, check_positive_int, to_2tuple_checked
 from ..layers import check_attn_type, check_images, check_stage_list, stage_output
+
+StageOutput = Tuple[Tensor, Optional[HWShape]]
+
+
+class Stage(nn.Module):
+    """One stage of a backbone: ``stage(backbone, x, hw_shape)`` takes the
+    previous stage's tokens (B, N, C) on ``hw_shape`` (for the first stage,
+    what the backbone's :meth:`~FLattenBackbone.stem` gives) and returns this
+    stage's tokens and grid. Subclasses define :meth:`forward`.
+
+    The parts of a stage (patch embedding, blocks, norms) stay registered on
+    the backbone under the release's names, so that parameter names and
+    state-dict keys are the release's: a stage holds none of them. It names
+    them (``part_names``, attribute paths on the backbone: what freezing the
+    stage freezes and pruning it deletes) and takes them from the backbone it
+    is called with, so a part the backbone has replaced (wrapped, pruned) is
+    the one that runs. ``entry_names`` are parts recorded under the previous
+    stage that only this stage runs (Swin's patch merging), and
+    ``output_name`` is the module whose output is the stage's (timm's
+    ``feature_info``).
+    """
+
+    def __init__(self, index: int, part_names: Sequence[str], output_name: str,
+                 entry_names: Sequence[str] = ()):
+        super().__init__()
+        self.index = index
+        self.part_names = tuple(part_names)
+        self.entry_names = tuple(entry_names)
+        self.output_name = output_name
+
+    def extra_repr(self) -> str:
+        return f'{self.index}: ' + ', '.join(self.entry_names + self.part_names)
+
+    def parts(self, backbone: nn.Module) -> list:
+        """This stage's modules and parameters that ``backbone`` still holds."""
+        found = (find_part(backbone, name) for name in self.part_names)
+        return [part for part in found if part is not None]
+
+    @staticmethod
+    def run_blocks(backbone: 'FLattenBackbone', blocks, x: Tensor, hw_shape: HWShape) -> Tensor:
+        """``blocks`` one after the other (through the backbone's
+        gradient checkpointing when it is on)."""
+        for block in blocks:
+            x = backbone.run_block(block, x, hw_shape)
+        return x
+
+
+def find_part(module: nn.Module, name: str):
+    """The module or parameter at attribute path ``name`` (``'layers.0.downsample'``)
+    of ``module``; None when there is none."""
+    for attr in name.split('.'):
+        module = getattr(module, attr, None)
+        if module is None:
+            return None
+    return module
+
+
+def delete_part(module: nn.Module, name: str) -> None:
+    """Delete the module or parameter at attribute path ``name``, if any."""
+    parent, _, last = name.rpartition('.')
+    owner = find_part(module, parent) if parent else module
+    if owner is not None and hasattr(owner, last):
+        delattr(owner, last)
 
 
 class FLattenBackbone(BaseModule):
     """Base class of the dense backbones.
 
-    Subclasses build their stages, then call :meth:`_setup_common`, and define
-    :meth:`stage_modules`, :meth:`convert_official` and the key patterns the
-    official classifier has and the backbone does not (``ignore_unexpected``)
-    or the backbone has and the classifier does not (``ignore_missing``).
+    A subclass builds its parts under the release's names and ``self.stages``
+    (a ModuleList of :class:`Stage`), then calls
+    :meth:`_setup_outputs_and_freezing`; it defines :meth:`stem` when
+    something runs before the first stage, :meth:`convert_official` (its
+    family's renaming in :mod:`flatten_mm.conversion`), and the key patterns
+    the official classifier has and the backbone does not
+    (``ignore_unexpected``) or the backbone has and the classifier does not
+    (``ignore_missing``).
     """
     ignore_unexpected: Sequence[str] = (r'head\.',)
     ignore_missing: Sequence[str] = ()
 
     arch_zoo: dict = {}
+    stages: nn.ModuleList
+
+    def __init__(self, init_cfg: Optional[dict] = None):
+        super().__init__(init_cfg=init_cfg)
+        # whatever is loaded into the model goes through convert_official first
+        self.register_load_state_dict_pre_hook(convert_on_load)
 
     def arch_settings(self, arch: str, **overrides) -> dict:
         """The preset of ``arch`` with the non-None ``overrides`` applied."""
@@ -34,8 +109,10 @@ class FLattenBackbone(BaseModule):
         settings.update({k: v for k, v in overrides.items() if v is not None})
         return settings
 
-    def _setup_common(self, out_indices, frozen_stages: int, norm_eval: bool,
-                      with_cp: bool, num_stages: int = 4):
+    def _setup_outputs_and_freezing(self, out_indices, frozen_stages: int, norm_eval: bool,
+                                    with_cp: bool, num_stages: int = 4):
+        """Check and set the options every backbone takes (which stages are
+        returned, frozen, checkpointed; norms in eval mode), then freeze."""
         out_indices = tuple(out_indices)
         if not out_indices or any(not isinstance(i, int) or not 0 <= i < num_stages
                                   for i in out_indices):
@@ -50,10 +127,6 @@ class FLattenBackbone(BaseModule):
         self.with_cp = with_cp
         self._freeze_stages()
 
-    def stage_modules(self, i: int) -> List[nn.Module]:
-        """Modules (and parameters wrapped in ParameterLists) of stage i."""
-        raise NotImplementedError
-
     def stem_modules(self) -> List[nn.Module]:
         """Modules before the first stage, frozen when frozen_stages >= 0."""
         return []
@@ -64,8 +137,8 @@ class FLattenBackbone(BaseModule):
         if self.frozen_stages < 0:
             return
         modules = list(self.stem_modules())
-        for i in range(self.frozen_stages):
-            modules += self.stage_modules(i)
+        for stage in self.stages[:self.frozen_stages]:
+            modules += stage.parts(self)
         for m in modules:
             if isinstance(m, nn.Parameter):
                 m.requires_grad = False
@@ -90,9 +163,56 @@ class FLattenBackbone(BaseModule):
             return cp.checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
+    def stem(self, x: Tensor) -> StageOutput:
+        """What runs before the first stage: images (B, C, H, W) -> the first
+        stage's input and grid. None by default (the images themselves)."""
+        return x, None
+
+    def forward_stages(self, x: Tensor, last: Optional[int] = None
+                       ) -> Iterator[Tuple[int, Tensor, HWShape]]:
+        """Yield (stage index, tokens (B, N, C), grid) of stages 0..``last``
+        (every stage by default) for images (B, C, H, W)."""
+        x, hw_shape = self.stem(x)
+        for stage in self.stages:
+            x, hw_shape = stage(self, x, hw_shape)
+            yield stage.index, x, hw_shape
+            if stage.index == last:
+                return
+
+    def output_tokens(self, i: int, tokens: Tensor) -> Tensor:
+        """Stage i's tokens as :meth:`forward` returns them (identity here)."""
+        return tokens
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        """
+        Args:
+            x (Tensor): images (B, C, H, W), any H and W.
+
+        Returns:
+            tuple[Tensor]: feature maps (B, C_i, ceil(H / s_i), ceil(W / s_i))
+            at strides s_i = 4, 8, 16, 32 for the stages in ``out_indices``
+            (LayerNorm-ed for the Swin-like backbones).
+        """
+        x = check_images(x)
+        return tuple(stage_output(self.output_tokens(i, tokens), hw_shape)
+                     for i, tokens, hw_shape in self.forward_stages(x)
+                     if i in self.out_indices)
+
+    def prune_stages(self, num_stages: int) -> None:
+        """Keep the first ``num_stages`` stages: the others, and their parts,
+        are deleted (so no parameter is left that forward does not use)."""
+        for stage in self.stages[num_stages:]:
+            for name in stage.entry_names + stage.part_names:
+                delete_part(self, name)
+        self.stages = self.stages[:num_stages]
+        self.num_stages = num_stages
+        self.embed_dims = self.embed_dims[:num_stages]
+        self.out_indices = tuple(i for i in self.out_indices if i < num_stages)
+
     def convert_official(self, state_dict: dict) -> dict:
-        """Official checkpoint -> this backbone's names (identity by default)."""
-        return state_dict
+        """The release's state dict -> this model's names: the family's
+        function of :mod:`flatten_mm.conversion`, applied on every load."""
+        raise NotImplementedError
 
     def init_weights(self):
         if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
@@ -100,8 +220,8 @@ class FLattenBackbone(BaseModule):
             if not checkpoint:
                 raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path")
             self.default_init()
-            load_pretrained(self, checkpoint, self.convert_official,
-                            self.ignore_unexpected, self.ignore_missing)
+            load_pretrained(self, checkpoint, ignore_unexpected=self.ignore_unexpected,
+                            ignore_missing=self.ignore_missing)
             self._is_init = True
             return
         # the release's initialisation, then any initialisers of init_cfg on top
@@ -129,11 +249,11 @@ class FLattenBackbone(BaseModule):
                     nn.init.zeros_(m.bias)
 
 
-class DoublingBackbone(FLattenBackbone):
-    """Base of the Swin-like backbones (FLatten-Swin, FLatten-CSwin): C, 2C,
-    4C, 8C channels, stages yielded by :meth:`forward_stages`, a LayerNorm
-    on each dense output (``norm{i}``; the classifiers have one final norm
-    instead, named ``norm`` in the released files)."""
+class SwinLikeBackbone(FLattenBackbone):
+    """Base of FLatten-Swin and FLatten-CSwin: one base width C doubled per
+    stage (C, 2C, 4C, 8C), and a LayerNorm on each dense output
+    (``norm{i}``; the classifiers have one final norm instead, named ``norm``
+    in the released files)."""
     ignore_unexpected = (r'head\.', r'norm\.')  # the classifier's head and final norm
     ignore_missing = (r'norm\d\.',)  # the LayerNorm on each dense output
 
@@ -163,26 +283,6 @@ class DoublingBackbone(FLattenBackbone):
             if isinstance(i, int) and 0 <= i < 4:
                 setattr(self, f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
 
-    def forward_stages(self, x: Tensor) -> Iterator[Tuple[int, Tensor, HWShape]]:
-        """Yield (stage index, tokens (B, N, C), grid) of each stage."""
-        raise NotImplementedError
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
-        """
-        Args:
-            x (Tensor): images (B, C, H, W), any H and W.
-
-        Returns:
-            tuple[Tensor]: LayerNorm-ed feature maps (B, C_i, ceil(H / s_i),
-            ceil(W / s_i)) at strides s_i = 4, 8, 16, 32 for the stages in
-            ``out_indices``.
-        """
-        x = check_images(x)
-        outs = []
-        for i, tokens, hw_shape in self.forward_stages(x):
-            if i in self.out_indices:
-                norm = getattr(self, f'norm{i}', None)
-                if norm is not None:
-                    tokens = norm(tokens)
-                outs.append(stage_output(tokens, hw_shape))
-        return tuple(outs)
+    def output_tokens(self, i: int, tokens: Tensor) -> Tensor:
+        norm = getattr(self, f'norm{i}', None)
+        return tokens if norm is None else norm(tokens)

@@ -2,9 +2,9 @@
 
 Module names follow the official release (``stage1_conv_embed``,
 ``stage{i}.{j}``, ``merge{i}``), so the released ImageNet checkpoint loads
-without renaming; the fused ``qkv`` and the ``proj`` that the release keeps at
-block level in its linear blocks are moved into the block's
-:class:`FocusedLinearAttention` on load.
+with one renaming (:func:`~flatten_mm.conversion.cswin_convert`: the fused
+``qkv`` and the ``proj`` that the release keeps at block level in its linear
+blocks move into the block's :class:`FocusedLinearAttention` on load).
 
 Focused linear (``L``) stages attend globally, as the released models were
 pretrained (their linear stripe width equals the stage's resolution: one
@@ -22,11 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...conversion import cswin_convert
 from ..attention import FocusedLinearAttention
-from ..utils import HWShape, eval_cached, map_to_tokens, tokens_to_map
+from ..utils import (HWShape, inference_cached, map_to_tokens, pad_to_multiple, stage_grid,
+                     tokens_to_map)
 from ..layers import (DropPath, Mlp, check_stage_list, drop_path_rates, window_key_mask,
                       window_merge, window_partition)
-from .base import DoublingBackbone
+from .base import Stage, StageOutput, SwinLikeBackbone
 
 
 class LePEAttention(nn.Module):
@@ -80,8 +82,9 @@ class LePEAttention(nn.Module):
         windows, layout = window_partition(qkv, window, (0, 0))
         Bw, n, _ = windows.shape
         q, k, v = windows.view(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
-        mask = eval_cached(self, ('mask', (H, W), B, q.dtype),
-                           lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
+        mask = inference_cached(
+            self, ('mask', (H, W), B, q.dtype),
+            lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(Bw, n, C)
@@ -113,7 +116,6 @@ class CSwinBlock(nn.Module):
             self.attns = nn.ModuleList([FocusedLinearAttention(
                 embed_dims, num_heads, qkv_bias=qkv_bias, focusing_factor=focusing_factor,
                 kernel_size=kernel_size, pos_grid=pos_grid, proj_drop=drop, lepe=True)])
-            self._register_load_state_dict_pre_hook(self._move_official_projections)
         else:
             if stripe is None:
                 branches = [LePEAttention(embed_dims, num_heads, None, attn_drop=attn_drop)]
@@ -130,15 +132,6 @@ class CSwinBlock(nn.Module):
         self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop)
-
-    @staticmethod
-    def _move_official_projections(state_dict, prefix, *args, **kwargs):
-        # the release keeps a linear block's qkv and proj beside its attention
-        for name in ('qkv', 'proj'):
-            for kind in ('weight', 'bias'):
-                value = state_dict.pop(f'{prefix}{name}.{kind}', None)
-                if value is not None:
-                    state_dict[f'{prefix}attns.0.{name}.{kind}'] = value
 
     def attention(self, x: Tensor, hw_shape: HWShape) -> Tensor:
         if self.linear:
@@ -167,10 +160,7 @@ class ConvStem(nn.Sequential):
                          nn.LayerNorm(embed_dims))
 
     def forward(self, x: Tensor) -> Tuple[Tensor, HWShape]:
-        pad_h, pad_w = -x.shape[2] % 4, -x.shape[3] % 4
-        if pad_h or pad_w:
-            x = F.pad(x, (0, pad_w, 0, pad_h))
-        x = self[0](x)
+        x = self[0](pad_to_multiple(x, 4))
         return self[2](map_to_tokens(x)), (x.shape[2], x.shape[3])
 
 
@@ -188,7 +178,23 @@ class MergeBlock(nn.Module):
         return self.norm(map_to_tokens(x)), (x.shape[2], x.shape[3])
 
 
-class FLattenCSwin(DoublingBackbone):
+class CSwinStage(Stage):
+    """Stage i of FLatten-CSwin: the merge block ``merge{i}`` (not for the
+    first stage), then the blocks ``stage{i+1}``."""
+
+    def __init__(self, index: int):
+        entry = [f'merge{index}'] if index else []
+        super().__init__(index, entry + [f'stage{index + 1}', f'norm{index}'],
+                         f'stage{index + 1}')
+
+    def forward(self, backbone: 'FLattenCSwin', x: Tensor, hw_shape: HWShape) -> StageOutput:
+        if self.index:
+            x, hw_shape = getattr(backbone, f'merge{self.index}')(x, hw_shape)
+        blocks = getattr(backbone, f'stage{self.index + 1}')
+        return self.run_blocks(backbone, blocks, x, hw_shape), hw_shape
+
+
+class FLattenCSwin(SwinLikeBackbone):
     """FLatten-CSwin: CSWin Transformer with focused linear attention.
 
     Args:
@@ -254,7 +260,7 @@ class FLattenCSwin(DoublingBackbone):
         self.stage1_conv_embed = ConvStem(in_channels, dims[0])
         dpr = drop_path_rates(drop_path_rate, sum(depths))
         for i in range(4):
-            grid = (img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i))
+            grid = stage_grid(img, i)
             # one branch over the whole map in the last stage, and where a
             # stripe covers the pretraining grid (the release's rule)
             whole = i == 3 or split_size[i] >= max(grid)
@@ -271,21 +277,13 @@ class FLattenCSwin(DoublingBackbone):
                            attn_drop=attn_drop_rate, drop_path=dpr[sum(depths[:i]) + j])
                 for j in range(depths[i])]))
         self._add_output_norms(out_indices)
-        self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
+        self.stages = nn.ModuleList(CSwinStage(i) for i in range(4))
+        self._setup_outputs_and_freezing(out_indices, frozen_stages, norm_eval, with_cp)
 
     def stem_modules(self) -> List[nn.Module]:
         return [self.stage1_conv_embed]
 
-    def stage_modules(self, i: int) -> List[nn.Module]:
-        names = [f'merge{i}', f'stage{i + 1}', f'norm{i}']
-        return [getattr(self, n) for n in names if hasattr(self, n)]
+    convert_official = staticmethod(cswin_convert)
 
-    def forward_stages(self, x: Tensor):
-        """Yield (stage index, tokens (B, N, C), grid) after each stage."""
-        x, hw_shape = self.stage1_conv_embed(x)
-        for i in range(self.num_stages):
-            if i > 0:
-                x, hw_shape = getattr(self, f'merge{i}')(x, hw_shape)
-            for block in getattr(self, f'stage{i + 1}'):
-                x = self.run_block(block, x, hw_shape)
-            yield i, x, hw_shape
+    def stem(self, x: Tensor) -> StageOutput:
+        return self.stage1_conv_embed(x)

@@ -2,50 +2,23 @@
 
 Module names follow the official release (``patch_embed{i}``,
 ``pos_embed{i}``, ``block{i}``, ``norm{i}``), so the released ImageNet
-checkpoints load without renaming.
+checkpoints load without renaming. The two versions differ by four named
+flags of :class:`FLattenPyramid`.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...conversion import pvt_convert
 from ..attention import FocusedLinearAttention
 from ..resize import add_resized, resize_parts
-from ..utils import HWShape, eval_cached, to_2tuple_checked
-from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type, check_images,
+from ..utils import HWShape, inference_cached, stage_grid, to_2tuple_checked
+from ..layers import (DropPath, Mlp, PatchEmbed, SpatialReductionAttention, check_attn_type,
                       check_stage_list, drop_path_rates, stage_output)
-from .base import FLattenBackbone
+from .base import FLattenBackbone, Stage, StageOutput
 
 SOFTMAX_SR_RATIOS = (8, 4, 2, 1)
-
-
-class PatchEmbed(nn.Module):
-    """Patch embedding: conv (kernel ``patch_size`` with ``stride``) + LayerNorm.
-
-    PVT uses non-overlapping patches (kernel = stride); the input is padded at
-    the bottom/right to a multiple of the stride, so every pixel is covered and
-    the output grid is ceil(H / stride) x ceil(W / stride). PVTv2 uses
-    overlapping patches (kernel > stride, padding kernel // 2).
-    """
-
-    def __init__(self, in_channels: int, embed_dims: int, patch_size: int, stride: int):
-        super().__init__()
-        self.stride = stride
-        self.overlap = patch_size > stride
-        self.proj = nn.Conv2d(in_channels, embed_dims, patch_size, stride=stride,
-                              padding=patch_size // 2 if self.overlap else 0)
-        self.norm = nn.LayerNorm(embed_dims)
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, HWShape]:
-        if not self.overlap:
-            pad_h = -x.shape[2] % self.stride
-            pad_w = -x.shape[3] % self.stride
-            if pad_h or pad_w:
-                x = F.pad(x, (0, pad_w, 0, pad_h))
-        x = self.proj(x)
-        hw_shape = (x.shape[2], x.shape[3])
-        return self.norm(x.flatten(2).transpose(1, 2)), hw_shape
 
 
 class PVTBlock(nn.Module):
@@ -78,13 +51,46 @@ class PVTBlock(nn.Module):
         return self.drop_path(self.mlp(self.norm2(x), hw_shape), x)
 
 
+class PyramidStage(Stage):
+    """Stage i of FLatten-PVT / -PVTv2: patch embedding of the previous
+    stage's map (of the images for the first), the absolute position
+    embedding (PVT), the blocks, the stage norm (PVTv2)."""
+
+    def __init__(self, index: int, pos_embed: bool, stage_norm: bool):
+        n = index + 1
+        parts = [f'patch_embed{n}'] + ([f'pos_embed{n}'] if pos_embed else []) + [f'block{n}']
+        parts += [f'norm{n}'] if stage_norm else []
+        super().__init__(index, parts, output_name=parts[-1])
+        self.has_pos_embed, self.has_norm = pos_embed, stage_norm
+
+    def forward(self, backbone: 'FLattenPyramid', x: Tensor,
+                hw_shape: Optional[HWShape]) -> StageOutput:
+        n = self.index + 1
+        if hw_shape is not None:  # tokens of the previous stage
+            x = stage_output(x, hw_shape)
+        x, hw_shape = getattr(backbone, f'patch_embed{n}')(x)
+        if self.has_pos_embed:
+            pos = getattr(backbone, f'pos_embed{n}')
+            grid = backbone.pos_grids[self.index]
+            parts = inference_cached(backbone, (self.index, hw_shape),
+                                     lambda: resize_parts(pos, grid, hw_shape), (pos,))
+            x = backbone.pos_drop(add_resized(x, parts))
+        x = self.run_blocks(backbone, getattr(backbone, f'block{n}'), x, hw_shape)
+        if self.has_norm:
+            x = getattr(backbone, f'norm{n}')(x)
+        return x, hw_shape
+
+
 class FLattenPyramid(FLattenBackbone):
     """The pyramid body shared by FLatten-PVT (v1) and FLatten-PVTv2.
 
-    Subclasses set ``arch_zoo`` and ``version`` (1 or 2). See
-    :class:`FLattenPVT` for the arguments.
+    Subclasses set ``arch_zoo`` and the four flags in which the versions
+    differ. See :class:`FLattenPVT` for the arguments.
     """
-    version: int = 1
+    overlapping_patch_embed: bool = False  # PVTv2: 7x7 / 3x3 convs with padding
+    absolute_pos_embed: bool = True  # PVT: a learnt embedding added after each patch embedding
+    stage_norm: bool = False  # PVTv2: a LayerNorm ending each stage
+    mlp_dwconv: bool = False  # PVTv2: a 3x3 depth-wise conv in each MLP
 
     def __init__(self,
                  arch: str = 'tiny',
@@ -113,6 +119,29 @@ class FLattenPyramid(FLattenBackbone):
                             f'{", ".join(map(repr, sorted(unknown)))}; see its docstring '
                             'for the arguments it takes')
         super().__init__(init_cfg=init_cfg)
+        settings = self._stage_settings(arch, embed_dims, depths, num_heads, mlp_ratios,
+                                        attn_type, sr_ratios)
+        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
+        # the token grid of each stage at the pretraining resolution
+        self.pos_grids = [stage_grid(img, i) for i in range(4)]
+        dpr = drop_path_rates(drop_path_rate, sum(self.depths))
+        layer = dict(focusing_factor=focusing_factor, kernel_size=kernel_size,
+                     qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate)
+        for i in range(4):
+            first = sum(self.depths[:i])
+            self._build_stage(i, in_channels if i == 0 else self.embed_dims[i - 1],
+                              [s[i] for s in settings], dpr[first:first + self.depths[i]],
+                              layer)
+        self.stages = nn.ModuleList(
+            PyramidStage(i, self.absolute_pos_embed, self.stage_norm) for i in range(4))
+        self.pos_drop = nn.Dropout(drop_rate)
+        self._setup_outputs_and_freezing(out_indices, frozen_stages, norm_eval, with_cp)
+
+    def _stage_settings(self, arch, embed_dims, depths, num_heads, mlp_ratios, attn_type,
+                        sr_ratios) -> tuple:
+        """Validated per-stage (num_heads, mlp_ratios, attn_type, sr_ratios)
+        of ``arch`` with the overrides; sets ``arch``, ``embed_dims``,
+        ``depths``, ``attn_type`` and ``num_stages``."""
         preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
                                     num_heads=num_heads, mlp_ratios=mlp_ratios)
         embed_dims = check_stage_list('embed_dims', preset['embed_dims'], 4, positive_ints=True)
@@ -127,84 +156,38 @@ class FLattenPyramid(FLattenBackbone):
             if dims % heads:
                 raise ValueError(f'embed_dims {embed_dims} must be divisible by '
                                  f'num_heads {num_heads} stage by stage')
-        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
         self.arch = arch
         self.embed_dims = embed_dims
         self.depths = depths
         self.attn_type = attn_type
         self.num_stages = 4
+        return num_heads, mlp_ratios, attn_type, sr_ratios
 
-        # the token grid of each stage at the pretraining resolution
-        self.pos_grids = [(img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i)) for i in range(4)]
-        dpr = drop_path_rates(drop_path_rate, sum(depths))
-        cur = 0
-        in_dims = in_channels
-        for i in range(4):
-            stride = 4 if i == 0 else 2
-            if self.version == 1:
-                embed = PatchEmbed(in_dims, embed_dims[i], stride, stride)
-            else:
-                embed = PatchEmbed(in_dims, embed_dims[i], 7 if i == 0 else 3, stride)
-            grid = self.pos_grids[i]
-            setattr(self, f'patch_embed{i + 1}', embed)
-            if self.version == 1:
-                setattr(self, f'pos_embed{i + 1}',
-                        nn.Parameter(torch.zeros(1, grid[0] * grid[1], embed_dims[i])))
-            setattr(self, f'block{i + 1}', nn.ModuleList([
-                PVTBlock(embed_dims[i], num_heads[i], mlp_ratios[i], attn_type[i],
-                         sr_ratios[i], grid, focusing_factor, kernel_size, qkv_bias,
-                         drop_rate, attn_drop_rate, dpr[cur + j],
-                         with_dwconv=self.version == 2)
-                for j in range(depths[i])]))
-            if self.version == 2:
-                setattr(self, f'norm{i + 1}', nn.LayerNorm(embed_dims[i], eps=1e-6))
-            cur += depths[i]
-            in_dims = embed_dims[i]
-        self.pos_drop = nn.Dropout(drop_rate)
-        self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
+    def _build_stage(self, i: int, in_dims: int, settings: list, drop_paths: List[float],
+                     layer: dict) -> None:
+        """Stage i's parts, under the release's names: ``patch_embed{i+1}``,
+        ``pos_embed{i+1}`` (PVT), ``block{i+1}``, ``norm{i+1}`` (PVTv2)."""
+        num_heads, mlp_ratio, attn_type, sr_ratio = settings
+        dims, grid, n = self.embed_dims[i], self.pos_grids[i], i + 1
+        stride = 4 if i == 0 else 2
+        patch = (7 if i == 0 else 3) if self.overlapping_patch_embed else stride
+        setattr(self, f'patch_embed{n}', PatchEmbed(in_dims, dims, patch, stride))
+        if self.absolute_pos_embed:
+            setattr(self, f'pos_embed{n}', nn.Parameter(torch.zeros(1, grid[0] * grid[1], dims)))
+        setattr(self, f'block{n}', nn.ModuleList([
+            PVTBlock(dims, num_heads, mlp_ratio, attn_type, sr_ratio, grid,
+                     drop_path=drop_path, with_dwconv=self.mlp_dwconv, **layer)
+            for drop_path in drop_paths]))
+        if self.stage_norm:
+            setattr(self, f'norm{n}', nn.LayerNorm(dims, eps=1e-6))
 
-    def stage_modules(self, i: int) -> List[nn.Module]:
-        names = [f'patch_embed{i + 1}', f'block{i + 1}', f'norm{i + 1}', f'pos_embed{i + 1}']
-        return [getattr(self, n) for n in names if hasattr(self, n)]
+    convert_official = staticmethod(pvt_convert)
 
     def default_init(self):
         super().default_init()
-        if self.version == 1:
-            for i in range(4):
+        if self.absolute_pos_embed:
+            for i in range(self.num_stages):
                 nn.init.trunc_normal_(getattr(self, f'pos_embed{i + 1}'), std=.02)
-
-    def forward_stage(self, i: int, x: Tensor) -> Tuple[Tensor, HWShape]:
-        """Run stage i on an image / feature map (B, C, H, W); returns its
-        tokens (B, N, C') and grid."""
-        x, hw_shape = getattr(self, f'patch_embed{i + 1}')(x)
-        if self.version == 1:
-            pos = getattr(self, f'pos_embed{i + 1}')
-            parts = eval_cached(self, (i, hw_shape),
-                                lambda: resize_parts(pos, self.pos_grids[i], hw_shape), (pos,))
-            x = self.pos_drop(add_resized(x, parts))
-        for block in getattr(self, f'block{i + 1}'):
-            x = self.run_block(block, x, hw_shape)
-        if self.version == 2:
-            x = getattr(self, f'norm{i + 1}')(x)
-        return x, hw_shape
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
-        """
-        Args:
-            x (Tensor): images (B, C, H, W), any H and W.
-
-        Returns:
-            tuple[Tensor]: feature maps (B, C_i, ceil(H / s_i), ceil(W / s_i))
-            at strides s_i = 4, 8, 16, 32 for the stages in ``out_indices``.
-        """
-        x = check_images(x)
-        outs = []
-        for i in range(self.num_stages):
-            tokens, hw_shape = self.forward_stage(i, x)
-            x = stage_output(tokens, hw_shape)
-            if i in self.out_indices:
-                outs.append(x)
-        return tuple(outs)
 
 
 class FLattenPVT(FLattenPyramid):
@@ -237,7 +220,6 @@ class FLattenPVT(FLattenPyramid):
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH)``
             loads an official ImageNet checkpoint (``{'model': state_dict}``).
     """
-    version = 1
     ignore_unexpected = (r'head\.', r'norm\.')  # the classifier and its unused norm
     arch_zoo = {
         name: dict(embed_dims=[64, 128, 320, 512], num_heads=[1, 2, 5, 8],
@@ -255,7 +237,10 @@ class FLattenPVTv2(FLattenPyramid):
     Heads are 1, 2, 5, 8 per stage in every preset (head dimension 32 for b0,
     64 for b1-b5), which gives the released parameter counts.
     """
-    version = 2
+    overlapping_patch_embed = True
+    absolute_pos_embed = False
+    stage_norm = True
+    mlp_dwconv = True
     arch_zoo = {
         'b0': dict(embed_dims=[32, 64, 160, 256], num_heads=[1, 2, 5, 8],
                    mlp_ratios=[8, 8, 4, 4], depths=[2, 2, 2, 2]),

@@ -2,8 +2,8 @@
 
 Module names follow the official release (``patch_embed``,
 ``layers.{i}.blocks.{j}``, ``layers.{i}.downsample``), so the released
-ImageNet checkpoints load without renaming (the fused ``qkv`` of the linear
-attention blocks is split on load by :class:`FocusedLinearAttention`).
+ImageNet checkpoints load with one renaming (:func:`~flatten_mm.conversion.swin_convert`:
+the fused ``qkv`` of the linear attention blocks is split on load).
 
 Linear-attention (``L``) stages attend globally by default: the released
 models were pretrained with one window covering the whole map and no shift,
@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...conversion import swin_convert
 from ..attention import FocusedLinearAttention
-from ..utils import HWShape, eval_cached, to_2tuple_checked
-from ..layers import (DropPath, Mlp, WindowSoftmaxAttention, drop_path_rates, window_key_mask,
-                      window_merge, window_partition)
-from .base import DoublingBackbone
-from .flatten_pvt import PatchEmbed
+from ..utils import HWShape, inference_cached, stage_grid, to_2tuple_checked
+from ..layers import (DropPath, Mlp, PatchEmbed, WindowSoftmaxAttention, drop_path_rates,
+                      window_key_mask, window_merge, window_partition)
+from .base import Stage, StageOutput, SwinLikeBackbone
 
 
 class SwinBlock(nn.Module):
@@ -59,12 +59,6 @@ class SwinBlock(nn.Module):
         self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop)
-        self._register_load_state_dict_pre_hook(self._drop_official_buffers)
-
-    @staticmethod
-    def _drop_official_buffers(state_dict, prefix, *args, **kwargs):
-        # the release stores Swin's cyclic-shift mask; windows here need none
-        state_dict.pop(f'{prefix}attn_mask', None)
 
     def attention(self, x: Tensor, hw_shape: HWShape) -> Tensor:
         H, W = hw_shape
@@ -77,8 +71,9 @@ class SwinBlock(nn.Module):
             return self.attn(x, hw_shape, offset)
         B = x.shape[0]
         windows, layout = window_partition(x.view(B, H, W, x.shape[-1]), self.window, offset)
-        mask = eval_cached(self, ('mask', tuple(hw_shape), layout, B),
-                           lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
+        mask = inference_cached(
+            self, ('mask', tuple(hw_shape), layout, B),
+            lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
         windows = self.attn(windows, self.window, mask)
         return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
 
@@ -107,8 +102,9 @@ class PatchMerging(nn.Module):
         return self.reduction(self.norm(x.flatten(1, 2))), hw_shape
 
 
-class SwinStage(nn.Module):
-    """Blocks of one stage and the patch merging that follows it."""
+class SwinLayer(nn.Module):
+    """The release's ``layers.{i}``: the blocks of stage i and the patch
+    merging that follows them (run by stage i + 1, see :class:`SwinStage`)."""
 
     def __init__(self, blocks: List[SwinBlock], downsample: Optional[PatchMerging]):
         super().__init__()
@@ -116,7 +112,23 @@ class SwinStage(nn.Module):
         self.downsample = downsample
 
 
-class FLattenSwin(DoublingBackbone):
+class SwinStage(Stage):
+    """Stage i of FLatten-Swin: the patch merging recorded at the end of
+    ``layers.{i-1}`` (not for the first stage), then the blocks of
+    ``layers.{i}``. Freezing stage i freezes all of ``layers.{i}``, its
+    patch merging included, as mmdet's Swin does."""
+
+    def __init__(self, index: int):
+        entry = (f'layers.{index - 1}.downsample',) if index else ()
+        super().__init__(index, (f'layers.{index}', f'norm{index}'), f'layers.{index}', entry)
+
+    def forward(self, backbone: 'FLattenSwin', x: Tensor, hw_shape: HWShape) -> StageOutput:
+        if self.index:
+            x, hw_shape = backbone.layers[self.index - 1].downsample(x, hw_shape)
+        return self.run_blocks(backbone, backbone.layers[self.index].blocks, x, hw_shape), hw_shape
+
+
+class FLattenSwin(SwinLikeBackbone):
     """FLatten-Swin: Swin Transformer with focused linear attention.
 
     Args:
@@ -186,7 +198,7 @@ class FLattenSwin(DoublingBackbone):
         dpr = drop_path_rates(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList()
         for i in range(4):
-            grid = (img[0] // (4 * 2 ** i), img[1] // (4 * 2 ** i))
+            grid = stage_grid(img, i)
             stage_window = lin_window if attn_type[i] == 'L' else window
             blocks = [SwinBlock(dims[i], num_heads[i], attn_type[i], stage_window,
                                 shift=j % 2 == 1, pos_grid=grid,
@@ -195,23 +207,16 @@ class FLattenSwin(DoublingBackbone):
                                 attn_drop=attn_drop_rate,
                                 drop_path=dpr[sum(depths[:i]) + j])
                       for j in range(depths[i])]
-            self.layers.append(SwinStage(blocks, PatchMerging(dims[i]) if i < 3 else None))
+            self.layers.append(SwinLayer(blocks, PatchMerging(dims[i]) if i < 3 else None))
         self._add_output_norms(out_indices)
-        self._setup_common(out_indices, frozen_stages, norm_eval, with_cp)
+        self.stages = nn.ModuleList(SwinStage(i) for i in range(4))
+        self._setup_outputs_and_freezing(out_indices, frozen_stages, norm_eval, with_cp)
+
+    convert_official = staticmethod(swin_convert)
 
     def stem_modules(self) -> List[nn.Module]:
         return [self.patch_embed]
 
-    def stage_modules(self, i: int) -> List[nn.Module]:
-        return [self.layers[i]] + ([getattr(self, f'norm{i}')] if hasattr(self, f'norm{i}') else [])
-
-    def forward_stages(self, x: Tensor):
-        """Yield (stage index, tokens (B, N, C), grid) before each patch merging."""
+    def stem(self, x: Tensor) -> StageOutput:
         x, hw_shape = self.patch_embed(x)
-        x = self.pos_drop(x)
-        for i, stage in enumerate(self.layers):
-            for block in stage.blocks:
-                x = self.run_block(block, x, hw_shape)
-            yield i, x, hw_shape
-            if stage.downsample is not None:
-                x, hw_shape = stage.downsample(x, hw_shape)
+        return self.pos_drop(x), hw_shape

@@ -23,7 +23,7 @@ head, with KV = sum_j kappa_j u_j v_j^T and km = sum_j kappa_j u_j
     dot_i = u_i . km,  w_i = c_i / (c_i dot_i + eps),  out_i = w_i (u_i KV)
 which equals sum_j phi(q_i).phi(k_j) v_j / (phi(q_i) . mean_j phi(k_j) + eps).
 """
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -78,8 +78,9 @@ def heads_dot(x: Tensor, vec: Tensor, num_heads: int) -> Tensor:
 
     One matrix-vector product per image and head on x's strided column slice,
     written into a row of a (B, h, N) buffer (returned transposed, as a view):
-    a product with a (h*d, h) block-diagonal matrix instead costs as much as
-    a full (N, C) x (C, C) product on CPUs (BLAS is slow at h output columns).
+    a product with a (h*d, h) block-diagonal matrix instead would multiply by
+    h times as many (zero) weights, in a shape of h output columns that BLAS
+    runs poorly.
     """
     B, N, C = x.shape
     h, d = num_heads, C // num_heads
@@ -111,9 +112,19 @@ def heads_weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
     return out
 
 
+class Focused(NamedTuple):
+    """The focused mapping of rows x in the factors of the module docstring:
+    phi(x) = (scaled_norm / sharpened_norm) * sharpened. The fields are the
+    tensors :func:`focus` computed (no copies)."""
+    scaled: Optional[Tensor]  # a = (relu(x) + eps) * s_inv; None unless focus kept it
+    scaled_norm: Tensor  # r = |a|, (..., 1)
+    sharpened: Tensor  # u = (a / r)^p, the direction sharpened
+    sharpened_norm: Tensor  # t = |u|, (..., 1)
+
+
 def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: bool = False,
-          buffers: Optional[Tuple[Tensor, Tensor]] = None):
-    """a, r, u, t of the focused mapping (module docstring); phi(x) = (r / t) * u.
+          buffers: Optional[Tuple[Tensor, Tensor]] = None) -> Focused:
+    """The focused mapping's a, r, u, t (module docstring) as :class:`Focused`.
 
     ``a = max(x * s_inv + eps * s_inv, eps * s_inv)``, which is
     ``(relu(x) + eps) * s_inv`` as s_inv > 0, in two passes and one buffer
@@ -128,10 +139,10 @@ def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: boo
     r = torch.linalg.vector_norm(a, dim=-1, keepdim=True)
     u = (torch.div(a, r, out=u_buf) if keep_a else a.div_(r)).pow_(p)
     t = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
-    return (a if keep_a else None), r, u, t
+    return Focused(a if keep_a else None, r, u, t)
 
 
-def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Tuple[Tensor, ...],
+def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Focused,
                    grad_u: Tensor, grad_c: Tensor) -> Tuple[Tensor, Tensor]:
     """Gradients for x and s_inv given those for u (at fixed c) and for c;
     ``parts`` is ``focus(x, s_inv, p)``.
@@ -158,7 +169,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
 
     Args (forward): q (B, N, C), k (B, n, C), v (B, n, C), s_inv (C,),
     focusing_factor, num_heads, key_mask (B, n) bool or None, and
-    consume_qk: when no gradient is needed, q and k may be overwritten (the
+    overwrite_qk: when no gradient is needed, q and k may be overwritten (the
     focused mapping then runs in their buffers instead of new ones).
     """
 
@@ -177,13 +188,13 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
-                num_heads: int, key_mask: Optional[Tensor], consume_qk: bool) -> Tensor:
+                num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
         B, N, C = q.shape
         p, h = focusing_factor, num_heads
-        in_place = consume_qk and not any(ctx.needs_input_grad[:4])  # nothing saved
+        in_place = overwrite_qk and not any(ctx.needs_input_grad[:4])  # nothing saved
         parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask, False,
                                                             in_place)
-        uk = parts_k[2].mul_(ck * share)  # kappa * u
+        uk = parts_k.sharpened.mul_(ck * share)  # kappa * u
         km = uk.sum(1, keepdim=True)  # (B, 1, C)
         kv = heads_outer(uk, v, h)  # (B, h, d, d)
         del uk, parts_k
@@ -239,7 +250,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
         parts_k, ck, share = FocusedLinearAttentionFn._keys(
             k, s_inv, p, key_mask, True, buffers=(a_q, uq) if same else None)
         del a_q, uq
-        uk = parts_k[2]
+        uk = parts_k.sharpened
         kappa = ck * share
         grad_v = heads_mm(uk, grad_kv).mul_(kappa)
         grad_uk = heads_mm(v, grad_kv.transpose(-1, -2)).add_(grad_km)

@@ -7,8 +7,8 @@ from torch.autograd.function import once_differentiable
 
 class DepthwiseConvFn(torch.autograd.Function):
     """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)``, with the weight
-    gradient as one grouped convolution of x by the output gradient (mkldnn's
-    own depth-wise weight gradient is the slowest op of the layer on CPUs).
+    gradient as one grouped convolution of x by the output gradient, in place of
+    mkldnn's own depth-wise weight gradient (see docs/benchmarks.md for the timings).
 
     x is saved in the layout it comes in (V's own channels-last memory from
     the attention module: no new bytes); backward takes a transient NCHW copy
@@ -34,8 +34,8 @@ class DepthwiseConvFn(torch.autograd.Function):
             grad_x = F.conv2d(grad_out, weight.to(dtype).flip(2, 3), padding=pad, groups=C)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            # x as a plain (NCHW) map and the conv's own zero padding: on CPUs
-            # faster than a padded channels-last copy (docs/benchmarks.md)
+            # x as a plain (NCHW) map, zero-padded by the conv itself: no
+            # padded copy of x is made (the timings behind the choice: docs/benchmarks.md)
             xc = x.to(dtype).contiguous()
             grad_w = F.conv2d(xc.view(1, B * C, H, W), grad_out.reshape(B * C, 1, H, W),
                               padding=pad, groups=B * C)

@@ -88,7 +88,7 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) 
 def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
                              focusing_factor: float, num_heads: int,
                              key_mask: Optional[Tensor] = None,
-                             consume_qk: bool = False) -> Tensor:
+                             overwrite_qk: bool = False) -> Tensor:
     """Focused linear attention of projected q (B, N, C), k and v (B, n, C).
 
     Args:
@@ -98,30 +98,30 @@ def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
         num_heads (int): heads h; C = h * d.
         key_mask (Tensor, optional): (B, n) bool, False for keys (padding)
             that take no part in any query's attention.
-        consume_qk (bool): q and k may be overwritten when no gradient is
+        overwrite_qk (bool): q and k may be overwritten when no gradient is
             recorded (saves two buffers in inference).
 
     Returns:
         Tensor: (B, N, C) in v's dtype.
     """
     name = choose_backend(q, k, v, key_mask)
-    return _BACKENDS[name](q, k, v, scale, focusing_factor, num_heads, key_mask, consume_qk)
+    return _BACKENDS[name](q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
 
 
 def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
-                   num_heads: int, key_mask: Optional[Tensor], consume_qk: bool) -> Tensor:
+                   num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The hand-written autograd function, in fp32 under half precision."""
     dtype = v.dtype
     ct = torch.promote_types(dtype, torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
         s_inv = 1.0 / F.softplus(scale.to(ct)).view(-1)
         out = FocusedLinearAttentionFn.apply(q.to(ct), k.to(ct), v.to(ct), s_inv,
-                                             focusing_factor, num_heads, key_mask, consume_qk)
+                                             focusing_factor, num_heads, key_mask, overwrite_qk)
     return out.to(dtype)
 
 
 def _reference_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
-                       num_heads: int, key_mask: Optional[Tensor], consume_qk: bool) -> Tensor:
+                       num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The formula with autograd, in fp32 under half precision."""
     dtype = v.dtype
     ct = torch.promote_types(dtype, torch.float32)

@@ -6,7 +6,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 
-# tokens per chunk of TokenMlpFn (measured on 2 CPU cores: docs/benchmarks.md)
+# tokens per chunk of TokenMlpFn: a chunk's hidden activations (2048 x 4C) are a
+# scratch buffer small enough to be reused warm by every chunk, and its products
+# still large enough for BLAS (the timings behind the figure: docs/benchmarks.md)
 MLP_CHUNK_ROWS = 2048
 
 
@@ -35,9 +37,9 @@ class TokenMlpFn(torch.autograd.Function):
     """:func:`token_mlp` with a chunked backward.
 
     The hidden activations (4C per token) exist one chunk at a time, in
-    scratch buffers reused by every chunk, instead of as whole-map tensors of
-    tens to hundreds of MiB: on CPUs each fresh allocation of that size is new
-    pages from the kernel, whose first touch costs as much as the GELU itself.
+    scratch buffers reused by every chunk, instead of as whole-map tensors:
+    a fresh allocation of whole-map size is new pages from the kernel, whose
+    first touch is paid on top of the arithmetic (docs/benchmarks.md).
     Only x and the pre-activation fc1(x) are saved; backward recomputes the
     GELU chunk by chunk (the plain MLP keeps the activation as well).
 

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from flatten_mm import FLattenCSwin
+from flatten_mm.conversion import cswin_convert
 from flatten_mm.models.backbones.flatten_cswin import CSwinBlock, LePEAttention
 
 from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
@@ -107,7 +108,7 @@ def test_linear_block_loads_release_projections():
     sd['qkv.weight'] = torch.cat([attn['q.weight'], attn['kv.weight']]) + 1
     sd['qkv.bias'] = torch.cat([attn['q.bias'], attn['kv.bias']]) + 1
     sd['proj.weight'], sd['proj.bias'] = attn['proj.weight'] + 2, attn['proj.bias'] + 2
-    block.load_state_dict(sd)
+    block.load_state_dict(cswin_convert(sd))  # what FLattenCSwin applies on load
     torch.testing.assert_close(block.attns[0].q.weight, attn['q.weight'] + 1)
     torch.testing.assert_close(block.attns[0].kv.bias, attn['kv.bias'] + 1)
     torch.testing.assert_close(block.attns[0].proj.weight, attn['proj.weight'] + 2)

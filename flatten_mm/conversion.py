@@ -1,0 +1,201 @@
+"""Weight conversion: the release's checkpoints into our models, and our
+classifiers to and from mmpretrain's; timm's filter, which picks the one a
+file needs.
+
+Our parameter names are the release's except where the release lays a module
+out differently. Each family's renaming is one function on a whole state dict
+(as mmdet's ``swin_converter`` / ``pvt_convert``), idempotent, so it is
+harmless on our own checkpoints:
+
+* :func:`pvt_convert` (FLatten-PVT, -PVTv2): the release's names are ours.
+* :func:`swin_convert`: the linear attention's fused ``qkv`` is split into
+  ``q`` and ``kv``; the stored cyclic-shift masks (``attn_mask``) are dropped
+  (our windows need none).
+* :func:`cswin_convert`: a linear block's ``qkv`` and ``proj``, which the
+  release keeps beside its attention, move into it (``qkv`` split).
+
+Then :func:`fit_to_model` resizes what was learnt at another size to the
+model's (positional encodings, relative-position bias tables), and
+:func:`convert_on_load`, the load-state-dict pre-hook every FLatten backbone
+registers (one, on the model), applies both to whatever is loaded into it.
+"""
+import re
+from typing import Dict
+
+import torch.nn.functional as F
+from mmengine.logging import print_log
+from torch import Tensor, nn
+
+from .checkpoint import extract_state_dict, unwrap_state_dict
+from .models.attention import FocusedLinearAttention
+from .models.layers import WindowSoftmaxAttention
+from .models.resize import resize_tokens
+
+StateDict = Dict[str, Tensor]
+
+
+def linear_attention_prefixes(state_dict: StateDict):
+    """Key prefixes of the focused linear attention layers in ``state_dict``:
+    those holding a ``scale`` (no other layer has one)."""
+    return [k[:-len('scale')] for k in state_dict if k == 'scale' or k.endswith('.scale')]
+
+
+def split_fused_qkv(state_dict: StateDict, prefix: str = '') -> StateDict:
+    """``{prefix}qkv.*`` (3C rows) -> ``{prefix}q.*`` (C) and ``{prefix}kv.*`` (2C), in place."""
+    for kind in ('weight', 'bias'):
+        fused = state_dict.pop(f'{prefix}qkv.{kind}', None)
+        if fused is not None:
+            C = fused.shape[0] // 3
+            state_dict[f'{prefix}q.{kind}'] = fused[:C]
+            state_dict[f'{prefix}kv.{kind}'] = fused[C:]
+    return state_dict
+
+
+def pvt_convert(state_dict: StateDict) -> StateDict:
+    """FLatten-PVT / -PVTv2 release -> ours: the same names."""
+    return state_dict
+
+
+def swin_convert(state_dict: StateDict) -> StateDict:
+    """FLatten-Swin release -> ours: fused ``qkv`` of each linear attention
+    split, the shift masks (``attn_mask`` buffers) dropped."""
+    state_dict = {k: v for k, v in state_dict.items() if not re.search(r'(^|\.)attn_mask$', k)}
+    for prefix in linear_attention_prefixes(state_dict):
+        split_fused_qkv(state_dict, prefix)
+    return state_dict
+
+
+def cswin_convert(state_dict: StateDict) -> StateDict:
+    """FLatten-CSwin release -> ours: a linear block's ``qkv`` and ``proj``
+    (block level in the release) moved into its attention ``attns.0``,
+    ``qkv`` split."""
+    state_dict = dict(state_dict)
+    for prefix in linear_attention_prefixes(state_dict):
+        block = prefix[:-len('attns.0.')] if prefix.endswith('attns.0.') else None
+        if block is None:
+            continue
+        for name in ('qkv', 'proj'):
+            for kind in ('weight', 'bias'):
+                value = state_dict.pop(f'{block}{name}.{kind}', None)
+                if value is not None:
+                    state_dict[f'{prefix}{name}.{kind}'] = value
+        split_fused_qkv(state_dict, prefix)
+    return state_dict
+
+
+def fit_positional_encoding(pe: Tensor, layer: FocusedLinearAttention, key: str) -> Tensor:
+    """A positional encoding learnt on another square grid, resized
+    (bilinear) to the layer's ``pos_grid``; anything else as it is (a
+    mismatch is then load_state_dict's to report)."""
+    own = layer.positional_encoding
+    if pe.dim() != 3 or pe.shape[-1] != own.shape[-1] or pe.shape[1] == own.shape[1]:
+        return pe
+    side = int(round(pe.shape[1] ** 0.5))
+    if side * side != pe.shape[1]:
+        return pe
+    print_log(f'{key}: resized the positional encoding from {side}x{side} to '
+              f'{layer.pos_grid[0]}x{layer.pos_grid[1]}', logger='current')
+    return resize_tokens(pe.float(), (side, side), layer.pos_grid).to(pe.dtype)
+
+
+def fit_bias_table(table: Tensor, layer: WindowSoftmaxAttention) -> Tensor:
+    """A relative-position bias table learnt for another square window (7 for
+    the 224 model, fine-tuned at 384 with 12) resized bicubically, as Swin
+    does; anything else as it is."""
+    own = layer.relative_position_bias_table
+    if table.shape == own.shape or table.dim() != 2 or table.shape[1] != own.shape[1]:
+        return table
+    side = int(round(table.shape[0] ** 0.5))
+    if side * side != table.shape[0]:
+        return table  # not a square window: left for load_state_dict to report
+    wh, ww = layer.window_size
+    grid = table.t().reshape(1, -1, side, side).float()
+    grid = F.interpolate(grid, size=(2 * wh - 1, 2 * ww - 1), mode='bicubic',
+                         align_corners=False)
+    return grid.reshape(own.shape[1], -1).t().to(table.dtype)
+
+
+def fit_to_model(state_dict: StateDict, model: nn.Module) -> StateDict:
+    """Resize, in place, the tensors of ``state_dict`` that ``model`` holds
+    at another size: positional encodings of its focused linear attention
+    layers (to their ``pos_grid``) and bias tables of its softmax window
+    attention (to their window; the index buffer is then the model's own)."""
+    for name, layer in model.named_modules():
+        prefix = f'{name}.' if name else ''
+        if isinstance(layer, FocusedLinearAttention):
+            key = f'{prefix}positional_encoding'
+            if key in state_dict:
+                state_dict[key] = fit_positional_encoding(state_dict[key], layer, key)
+        elif isinstance(layer, WindowSoftmaxAttention):
+            key = f'{prefix}relative_position_bias_table'
+            if key in state_dict:
+                resized = fit_bias_table(state_dict[key], layer)
+                if resized is not state_dict[key] and f'{prefix}relative_position_index' \
+                        in state_dict:
+                    state_dict[f'{prefix}relative_position_index'] = \
+                        layer.relative_position_index
+                state_dict[key] = resized
+    return state_dict
+
+
+def convert_on_load(model: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """The load-state-dict pre-hook of every FLatten backbone (and classifier):
+    the keys under ``prefix`` go through the model's ``convert_official``
+    (its family's renaming) and :func:`fit_to_model`, in place. It runs once,
+    at the model, before any of its layers loads."""
+    own = {k[len(prefix):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix)}
+    own = fit_to_model(model.convert_official(own), model)
+    state_dict.update({prefix + k: v for k, v in own.items()})
+
+
+def to_mmpretrain(model: nn.Module) -> StateDict:
+    """The state dict of the mmpretrain ``ImageClassifier`` equal to the
+    timm classifier ``model``: its dense backbone with ``out_indices=(3,)``
+    (``backbone.*``, the final norm as that backbone's output norm), a GAP
+    neck and a ``LinearClsHead`` (``head.fc.*``)."""
+    final = getattr(model, 'dense_final_norm', None)
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.startswith('head.'):
+            out['head.fc.' + key[len('head.'):]] = value
+        elif final and key.startswith('norm.'):
+            out[f'backbone.{final}.' + key[len('norm.'):]] = value
+        else:
+            out['backbone.' + key] = value
+    return out
+
+
+def is_mmpretrain_classifier(state_dict: dict) -> bool:
+    """Whether ``state_dict`` is an mmpretrain ``ImageClassifier``'s."""
+    return 'head.fc.weight' in state_dict and any(k.startswith('backbone.') for k in state_dict)
+
+
+def from_mmpretrain(state_dict: StateDict, model: nn.Module) -> StateDict:
+    """An mmpretrain ``ImageClassifier`` state dict (see :func:`to_mmpretrain`)
+    in the names of the timm classifier ``model``."""
+    final = getattr(model, 'dense_final_norm', None)
+    out = {}
+    for key, value in state_dict.items():
+        if key.startswith('head.fc.'):
+            out['head.' + key[len('head.fc.'):]] = value
+        elif final and key.startswith(f'backbone.{final}.'):
+            out['norm.' + key[len(f'backbone.{final}.'):]] = value
+        elif key.startswith('backbone.'):
+            out[key[len('backbone.'):]] = value
+    return out
+
+
+def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> StateDict:
+    """timm's filter for official weights: take ``state_dict['model']`` if
+    nested, rename an mmpretrain classifier's checkpoint (``backbone.*``,
+    ``head.fc.*``) to ours, and drop the head when the class count differs.
+    The release's own layout is converted when the model loads it
+    (:func:`convert_on_load`)."""
+    nested = unwrap_state_dict(state_dict)
+    if is_mmpretrain_classifier(nested):
+        state_dict = from_mmpretrain(nested, model)
+    sd = extract_state_dict(state_dict)
+    head = sd.get('head.weight')
+    if head is not None and head.shape[0] != getattr(model, 'num_classes', head.shape[0]):
+        sd = {k: v for k, v in sd.items() if not k.startswith('head.')}
+    return sd

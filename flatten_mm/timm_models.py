@@ -1,0 +1,172 @@
+"""The FLatten ImageNet classifiers as timm models, one ``@register_model``
+function per name, as timm's own model files do.
+
+Importing this module registers them, so it needs timm; ``flatten_mm``
+imports it when timm is installed (:func:`flatten_mm.registry.register_timm`).
+``default_cfgs`` is read by timm's ``register_model``: ``.in1k`` marks the
+models the authors released ImageNet-1K weights for (no download URL: the
+files are loaded from a path, ``pretrained_cfg_overlay=dict(file=...)``).
+"""
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+
+from .conversion import checkpoint_filter_fn
+from .models.classifiers import (FLattenCSwinClassifier, FLattenPVTClassifier,
+                                 FLattenPVTv2Classifier, FLattenSwinClassifier)
+
+
+def _cfg(first_conv: str, size: int = 224, **kwargs) -> dict:
+    return dict(url='', num_classes=1000, input_size=(3, size, size),
+                pool_size=(size // 32, size // 32), fixed_input_size=False,
+                crop_pct=1.0 if size == 384 else 0.9, interpolation='bicubic',
+                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+                first_conv=first_conv, classifier='head', license='mit', **kwargs)
+
+
+default_cfgs = generate_default_cfgs({
+    'flatten_pvt_tiny.in1k': _cfg('patch_embed1.proj'),
+    'flatten_pvt_small': _cfg('patch_embed1.proj'),
+    'flatten_pvt_medium': _cfg('patch_embed1.proj'),
+    'flatten_pvt_large': _cfg('patch_embed1.proj'),
+    'flatten_pvt_v2_b0.in1k': _cfg('patch_embed1.proj'),
+    'flatten_pvt_v2_b1': _cfg('patch_embed1.proj'),
+    'flatten_pvt_v2_b2': _cfg('patch_embed1.proj'),
+    'flatten_pvt_v2_b3': _cfg('patch_embed1.proj'),
+    'flatten_pvt_v2_b4': _cfg('patch_embed1.proj'),
+    'flatten_pvt_v2_b5': _cfg('patch_embed1.proj'),
+    'flatten_swin_tiny.in1k': _cfg('patch_embed.proj'),
+    'flatten_swin_small.in1k': _cfg('patch_embed.proj'),
+    'flatten_swin_base.in1k': _cfg('patch_embed.proj'),
+    'flatten_swin_base_384.in1k': _cfg('patch_embed.proj', size=384),
+    'flatten_cswin_tiny.in1k': _cfg('stage1_conv_embed.0'),
+    'flatten_cswin_small': _cfg('stage1_conv_embed.0'),
+    'flatten_cswin_base': _cfg('stage1_conv_embed.0'),
+    'flatten_cswin_base_384': _cfg('stage1_conv_embed.0', size=384),
+})
+
+
+def _create(cls, variant: str, pretrained: bool = False, **kwargs):
+    return build_model_with_cfg(
+        cls, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        # features_only: timm's getter over forward_intermediates, after
+        # prune_intermediate_layers has dropped what the features do not use
+        feature_cfg=dict(feature_cls='getter', out_indices=(0, 1, 2, 3)),
+        **kwargs)
+
+
+@register_model
+def flatten_pvt_tiny(pretrained: bool = False, **kwargs) -> FLattenPVTClassifier:
+    """FLatten-PVT-T (released weights)."""
+    return _create(FLattenPVTClassifier, 'flatten_pvt_tiny', pretrained, arch='tiny', **kwargs)
+
+
+@register_model
+def flatten_pvt_small(pretrained: bool = False, **kwargs) -> FLattenPVTClassifier:
+    """FLatten-PVT-S."""
+    return _create(FLattenPVTClassifier, 'flatten_pvt_small', pretrained, arch='small', **kwargs)
+
+
+@register_model
+def flatten_pvt_medium(pretrained: bool = False, **kwargs) -> FLattenPVTClassifier:
+    """FLatten-PVT-M."""
+    return _create(FLattenPVTClassifier, 'flatten_pvt_medium', pretrained, arch='medium',
+                   **kwargs)
+
+
+@register_model
+def flatten_pvt_large(pretrained: bool = False, **kwargs) -> FLattenPVTClassifier:
+    """FLatten-PVT-L."""
+    return _create(FLattenPVTClassifier, 'flatten_pvt_large', pretrained, arch='large', **kwargs)
+
+
+@register_model
+def flatten_pvt_v2_b0(pretrained: bool = False, **kwargs) -> FLattenPVTv2Classifier:
+    """FLatten-PVTv2-B0 (released weights)."""
+    return _create(FLattenPVTv2Classifier, 'flatten_pvt_v2_b0', pretrained, arch='b0', **kwargs)
+
+
+@register_model
+def flatten_pvt_v2_b1(pretrained: bool = False, **kwargs) -> FLattenPVTv2Classifier:
+    """FLatten-PVTv2-B1."""
+    return _create(FLattenPVTv2Classifier, 'flatten_pvt_v2_b1', pretrained, arch='b1', **kwargs)
+
+
+@register_model
+def flatten_pvt_v2_b2(pretrained: bool = False, **kwargs) -> FLattenPVTv2Classifier:
+    """FLatten-PVTv2-B2."""
+    return _create(FLattenPVTv2Classifier, 'flatten_pvt_v2_b2', pretrained, arch='b2', **kwargs)
+
+
+@register_model
+def flatten_pvt_v2_b3(pretrained: bool = False, **kwargs) -> FLattenPVTv2Classifier:
+    """FLatten-PVTv2-B3."""
+    return _create(FLattenPVTv2Classifier, 'flatten_pvt_v2_b3', pretrained, arch='b3', **kwargs)
+
+
+@register_model
+def flatten_pvt_v2_b4(pretrained: bool = False, **kwargs) -> FLattenPVTv2Classifier:
+    """FLatten-PVTv2-B4."""
+    return _create(FLattenPVTv2Classifier, 'flatten_pvt_v2_b4', pretrained, arch='b4', **kwargs)
+
+
+@register_model
+def flatten_pvt_v2_b5(pretrained: bool = False, **kwargs) -> FLattenPVTv2Classifier:
+    """FLatten-PVTv2-B5."""
+    return _create(FLattenPVTv2Classifier, 'flatten_pvt_v2_b5', pretrained, arch='b5', **kwargs)
+
+
+@register_model
+def flatten_swin_tiny(pretrained: bool = False, **kwargs) -> FLattenSwinClassifier:
+    """FLatten-Swin-T (released weights)."""
+    return _create(FLattenSwinClassifier, 'flatten_swin_tiny', pretrained, arch='tiny', **kwargs)
+
+
+@register_model
+def flatten_swin_small(pretrained: bool = False, **kwargs) -> FLattenSwinClassifier:
+    """FLatten-Swin-S (released weights)."""
+    return _create(FLattenSwinClassifier, 'flatten_swin_small', pretrained, arch='small',
+                   **kwargs)
+
+
+@register_model
+def flatten_swin_base(pretrained: bool = False, **kwargs) -> FLattenSwinClassifier:
+    """FLatten-Swin-B (released weights)."""
+    return _create(FLattenSwinClassifier, 'flatten_swin_base', pretrained, arch='base', **kwargs)
+
+
+@register_model
+def flatten_swin_base_384(pretrained: bool = False, **kwargs) -> FLattenSwinClassifier:
+    """FLatten-Swin-B at 384², softmax windows of 12 (released weights)."""
+    kwargs = dict(dict(pretrain_img_size=384, window_size=12), **kwargs)
+    return _create(FLattenSwinClassifier, 'flatten_swin_base_384', pretrained, arch='base',
+                   **kwargs)
+
+
+@register_model
+def flatten_cswin_tiny(pretrained: bool = False, **kwargs) -> FLattenCSwinClassifier:
+    """FLatten-CSwin-T (released weights)."""
+    return _create(FLattenCSwinClassifier, 'flatten_cswin_tiny', pretrained, arch='tiny',
+                   **kwargs)
+
+
+@register_model
+def flatten_cswin_small(pretrained: bool = False, **kwargs) -> FLattenCSwinClassifier:
+    """FLatten-CSwin-S."""
+    return _create(FLattenCSwinClassifier, 'flatten_cswin_small', pretrained, arch='small',
+                   **kwargs)
+
+
+@register_model
+def flatten_cswin_base(pretrained: bool = False, **kwargs) -> FLattenCSwinClassifier:
+    """FLatten-CSwin-B."""
+    return _create(FLattenCSwinClassifier, 'flatten_cswin_base', pretrained, arch='base',
+                   **kwargs)
+
+
+@register_model
+def flatten_cswin_base_384(pretrained: bool = False, **kwargs) -> FLattenCSwinClassifier:
+    """FLatten-CSwin-B at 384², softmax stripes of 1, 2, 12, 12."""
+    kwargs = dict(dict(pretrain_img_size=384, split_size=(1, 2, 12, 12)), **kwargs)
+    return _create(FLattenCSwinClassifier, 'flatten_cswin_base_384', pretrained, arch='base',
+                   **kwargs)
