@@ -1,7 +1,15 @@
+import os
 import os.path as osp
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels run under Triton's CPU interpreter. The switch
+# must be on before triton is first imported (by any test, or by torch itself):
+# triton's own library functions are decorated then, and decorated compiled
+# functions cannot be called from interpreted kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
 from demo_runs import ROOT, run
 

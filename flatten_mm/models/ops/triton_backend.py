@@ -1,12 +1,13 @@
 """The ``'triton'`` backend of the attention core: fused Triton kernels, forward
 and backward, as two ``torch.library`` custom ops.
 
-Registered in :mod:`.dispatch` only when ``triton`` imports; ``'auto'`` picks it
+Registered in :mod:`.dispatch` only when ``triton`` is installed; ``'auto'`` picks it
 for CUDA tensors in fp16, bf16 or fp32. On CPU tensors it runs only under
-Triton's interpreter (``TRITON_INTERPRET=1`` set before the first call), which
-is how the tests run it. The kernels (:mod:`.triton_kernels`) are imported on
-the first call, not with the package, so the interpreter switch can still be
-set after ``flatten_mm`` is imported.
+Triton's interpreter, which is how the tests run it: ``TRITON_INTERPRET=1``
+must be set before triton is first imported (torch's custom-op machinery
+imports it, so before ``torch``), since triton's own library functions are
+decorated then. The kernels (:mod:`.triton_kernels`) are imported on the first
+call, not with the package.
 
 Kernel design (notation of :mod:`.triton_kernels`). The work is a few sweeps over
 the tokens, each reading the raw q, k, v (any dtype) and applying the focused
@@ -56,6 +57,7 @@ and the mapping's temporaries fit the registers.
 Head widths up to :data:`MAX_HEAD_DIM`, padded to a power of two >= 16 for
 ``tl.dot``; ``'auto'`` sends wider heads to the torch backend.
 """
+import importlib.util
 import os
 from types import ModuleType
 from typing import Any, Optional, Tuple
@@ -66,12 +68,10 @@ from torch import Tensor
 
 from .dispatch import _torch_backend, get_backend, register_backend
 
-try:
-    import triton  # noqa: F401  (availability only; kernels load on first call)
-    import triton.language  # noqa: F401
-    AVAILABLE = True
-except Exception:  # missing, or broken in this environment: register nothing
-    AVAILABLE = False
+# registered when triton is installed; imported on the first call only, so
+# processes that never run it on CUDA (CPU training, tests under the
+# interpreter switched on later) do not import it with flatten_mm
+AVAILABLE = importlib.util.find_spec('triton') is not None
 
 MAX_HEAD_DIM = 128  # d x d fp32 states per program: wider heads would spill registers
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -84,6 +84,17 @@ def kernels() -> ModuleType:
         from . import triton_kernels
         _KERNELS['module'] = triton_kernels
     return _KERNELS['module']
+
+
+def importable() -> bool:
+    """Whether the kernels import here (triton present and working); asked once."""
+    if 'importable' not in _KERNELS:
+        try:
+            kernels()
+            _KERNELS['importable'] = True
+        except Exception:  # a broken triton: 'auto' keeps to the torch backend
+            _KERNELS['importable'] = False
+    return _KERNELS['importable']
 
 
 def interpreted() -> bool:
@@ -224,7 +235,7 @@ def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> boo
     """``'auto'`` takes this backend for CUDA tensors of one supported dtype (wider
     heads than :data:`MAX_HEAD_DIM` fall back to the torch backend inside)."""
     return (q.device.type == 'cuda' and q.dim() == 3 and v.dtype in DTYPES and
-            q.dtype == k.dtype == v.dtype)
+            q.dtype == k.dtype == v.dtype and importable())
 
 
 if AVAILABLE:
