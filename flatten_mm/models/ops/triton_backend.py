@@ -213,15 +213,15 @@ def check_call(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, num_heads: int,
 
 def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                    num_heads: int, key_mask: Optional[Tensor] = None,
-                   consume_qk: bool = False) -> Tensor:
+                   overwrite_qk: bool = False) -> Tensor:
     """The backend (:func:`.dispatch.focused_linear_attention`'s signature): one
     forward op; s_inv = 1 / softplus(scale) in fp32 by PyTorch ops, so autograd
-    takes the gradient on to ``scale``. ``consume_qk`` is moot (q and k are only read)."""
+    takes the gradient on to ``scale``. ``overwrite_qk`` is moot (q and k are only read)."""
     d = check_call(q, k, v, scale, num_heads, key_mask)
     if d > MAX_HEAD_DIM:
         if get_backend() == 'auto':
             return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask,
-                                  consume_qk)
+                                  overwrite_qk)
         raise ValueError(f"the 'triton' attention backend takes head widths up to "
                          f'{MAX_HEAD_DIM}, got d={d} (C={q.shape[-1]}, num_heads={num_heads})')
     check_runnable(q)

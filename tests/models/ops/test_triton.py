@@ -111,7 +111,7 @@ def test_strided_views_of_one_projection():
         s = scale.detach().to(dtype).requires_grad_()
         q, k, v = x.split(C, dim=-1)
         with use_backend(backend):
-            out = focused_linear_attention(q, k, v, s, 3.0, h, consume_qk=True)
+            out = focused_linear_attention(q, k, v, s, 3.0, h, overwrite_qk=True)
         results.append([out] + list(torch.autograd.grad(out, (x, s), g.to(dtype))))
         assert torch.equal(x.detach().to(torch.float32), qkv)  # q and k only read
     for name, got, ref in zip(('out', 'qkv', 'scale'), *results):
