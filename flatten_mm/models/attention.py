@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from .ops import DepthwiseConvFn, focused_linear_attention
 from .resize import add_resized, resize_parts, resize_tokens
-from .utils import (HWShape, add_projections, check_positive_int, eval_cached, map_to_tokens,
-                    spatial_reduce, tokens_to_map, to_2tuple_checked)
+from .utils import (HWShape, add_projections, check_number, check_positive_int, eval_cached,
+                    map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
 
 
 class FocusedLinearAttention(nn.Module):
@@ -68,9 +68,7 @@ class FocusedLinearAttention(nn.Module):
         if kernel_size % 2 == 0:
             raise ValueError(f'kernel_size must be odd (the DWC keeps the grid '
                              f'size), got {kernel_size}')
-        if not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
-            raise ValueError(f'focusing_factor must be a number > 0, got '
-                             f'{focusing_factor!r}')
+        check_number('focusing_factor', focusing_factor, low_open=True)
         if attn_drop:
             raise ValueError(f'attn_drop must be 0 for linear attention (no '
                              f'attention matrix is formed), got {attn_drop}')

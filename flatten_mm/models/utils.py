@@ -1,6 +1,8 @@
 """Small helpers every backbone and layer shares: argument checks, the token
 <-> map layouts, the stage-output layout and the inference cache."""
 import collections
+import math
+import numbers
 from typing import Tuple
 
 import torch
@@ -14,6 +16,18 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
     """Return ``value`` if it is an int >= ``minimum``, else raise ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
+    return value
+
+
+def check_number(name: str, value, low: float = 0., high: float = math.inf,
+                 low_open: bool = False) -> float:
+    """Return ``value`` if it is a finite real number (not a bool) in
+    ``[low, high]`` (``(low, high]`` with ``low_open``), else raise ValueError."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+        math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f'{"(" if low_open else "["}{low:g}, {high:g}]'
+        raise ValueError(f'{name} must be a finite number in {bound}, got {value!r}')
     return value
 
 
