@@ -223,21 +223,23 @@ class WindowSoftmaxAttention(nn.Module):
         # project the real tokens only; windows are cut from q, k, v
         qkv = self.qkv(x).view(B, H, W, 3 * C)
         windows, layout = window_partition(qkv, self.window_size, offset)
-        table = self.relative_position_bias_table
-        bias = eval_cached(self, ('bias', tuple(hw_shape), layout, B, qkv.dtype),
-                           lambda: self.attention_bias(hw_shape, layout, B, qkv.dtype), (table,))
+        bias = self.attention_bias(hw_shape, layout, B, qkv.dtype)
         out = window_merge(self.attend(windows, bias), self.window_size, hw_shape, layout)
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
 
     def attention_bias(self, hw_shape: HWShape, layout: Tuple[int, int, int, int], batch: int,
                        dtype: torch.dtype) -> Tensor:
         """The relative position bias (1, h, n, n), with -inf at the padded
-        keys of each window (batch * nW, h, n, n) when the partition padded."""
+        keys of each window (batch * nW, h, n, n) when the partition padded.
+        Made every call from the table (the key mask, which depends on the
+        sizes only, is cached in inference)."""
         n = self.window_size[0] * self.window_size[1]
         table = self.relative_position_bias_table
         bias = table[self.relative_position_index.view(-1)].view(n, n, -1)
         bias = bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
-        key_mask = window_key_mask(hw_shape, self.window_size, layout, batch, table.device)
+        key_mask = eval_cached(self, ('mask', tuple(hw_shape), layout, batch, table.device),
+                               lambda: window_key_mask(hw_shape, self.window_size, layout,
+                                                       batch, table.device))
         if key_mask is not None:
             bias = bias.masked_fill(~key_mask[:, None, None, :], float('-inf'))
         return bias

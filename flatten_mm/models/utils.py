@@ -39,14 +39,17 @@ def to_2tuple_checked(name: str, value) -> HWShape:
     return (check_positive_int(name, pair[0]), check_positive_int(name, pair[1]))
 
 
-def eval_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] = ()):
+def eval_cached(module: nn.Module, key: tuple, make):
     """``make()``, computed once per ``key`` while ``module`` is in eval mode
     and no gradient is recorded (inference), else every call.
 
-    For what depends only on the input size and on ``params`` (resized
-    positional encodings, masks, window layouts); the parameters' storage and
-    version counters are part of the key, so loading weights, an optimizer
-    step or ``.to()`` invalidate an entry. The last four keys are kept;
+    Only for what depends on the input size alone (masks, window layouts,
+    resize weights), with the dtype and device it is made in as part of
+    ``key``: never for anything made from parameter values. Those can change
+    in place without a trace on the parameter (``p.data.mul_()``, as mmdet's
+    MeanTeacherHook updates its teacher, or mmengine's EMAHook swaps weights
+    with ``.data.copy_``: no new storage, no version bump), so a cache keyed
+    on them would serve stale values silently. The last four keys are kept;
     switching to training mode drops them.
     """
     if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling() \
@@ -54,8 +57,7 @@ def eval_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] 
         if module.training:
             module.__dict__.pop('_eval_cache', None)
         return make()
-    full = (key, torch.is_inference_mode_enabled()) + tuple(
-        (p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+    full = (key, torch.is_inference_mode_enabled())
     cache = module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
     if full in cache:
         cache.move_to_end(full)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention
-from ..resize import add_resized, resize_parts
+from ..resize import add_resized, resize_parts, resize_weights
 from ..utils import HWShape, eval_cached, to_2tuple_checked
 from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type, check_images,
                       check_stage_list, drop_path_rates, stage_output)
@@ -179,9 +179,10 @@ class FLattenPyramid(FLattenBackbone):
         x, hw_shape = getattr(self, f'patch_embed{i + 1}')(x)
         if self.version == 1:
             pos = getattr(self, f'pos_embed{i + 1}')
-            parts = eval_cached(self, (i, hw_shape),
-                                lambda: resize_parts(pos, self.pos_grids[i], hw_shape), (pos,))
-            x = self.pos_drop(add_resized(x, parts))
+            weights = eval_cached(self, (i, hw_shape, pos.dtype, pos.device),
+                                  lambda: resize_weights(self.pos_grids[i], hw_shape, pos))
+            x = self.pos_drop(add_resized(x, resize_parts(pos, self.pos_grids[i], hw_shape,
+                                                          weights)))
         for block in getattr(self, f'block{i + 1}'):
             x = self.run_block(block, x, hw_shape)
         if self.version == 2:

@@ -77,7 +77,7 @@ class SwinBlock(nn.Module):
             return self.attn(x, hw_shape, offset)
         B = x.shape[0]
         windows, layout = window_partition(x.view(B, H, W, x.shape[-1]), self.window, offset)
-        mask = eval_cached(self, ('mask', tuple(hw_shape), layout, B),
+        mask = eval_cached(self, ('mask', tuple(hw_shape), layout, B, x.device),
                            lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
         windows = self.attn(windows, self.window, mask)
         return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
