@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from .ops import DepthwiseConvFn, focused_linear_attention
 from .resize import add_resized, resize_parts, resize_tokens, resize_weights
-from .utils import (HWShape, add_projections, check_number, check_positive_int, eval_cached,
-                    map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
+from .utils import (HWShape, add_projections, check_heads, check_number, check_positive_int,
+                    eval_cached, map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
 
 
 class FocusedLinearAttention(nn.Module):
@@ -58,11 +58,7 @@ class FocusedLinearAttention(nn.Module):
                  proj_drop: float = 0.,
                  lepe: bool = False):
         super().__init__()
-        check_positive_int('embed_dims', embed_dims)
-        check_positive_int('num_heads', num_heads)
-        if embed_dims % num_heads:
-            raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
-                             f'num_heads ({num_heads})')
+        check_heads(embed_dims, num_heads)
         check_positive_int('sr_ratio', sr_ratio)
         check_positive_int('kernel_size', kernel_size)
         if kernel_size % 2 == 0:

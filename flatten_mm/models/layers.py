@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from .utils import (HWShape, add_projections, check_positive_int, eval_cached, map_to_tokens,
-                    spatial_reduce, tokens_to_map)
+from .utils import (HWShape, add_projections, check_heads, check_positive_int, eval_cached,
+                    map_to_tokens, spatial_reduce, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 
 ATTN_TYPES = ('L', 'S')
@@ -36,9 +36,16 @@ def check_stage_list(name: str, values, num_stages: int, positive_ints: bool = F
 
 
 def check_images(x: Tensor) -> Tensor:
-    """``x`` if it is a batch of images (B, C, H, W), else a ValueError."""
+    """``x`` if it is a non-empty batch of images (B, C, H, W), else a
+    ValueError (an empty batch or image would fail deep inside, in a reshape
+    or a convolution). The sizes are not checked while compiling/exporting
+    (symbolic sizes; the eager call checks them)."""
     if x.dim() != 4:
         raise ValueError(f'expected images (B, C, H, W), got shape {tuple(x.shape)}')
+    if not torch.compiler.is_compiling() and (x.shape[0] < 1 or x.shape[2] < 1
+                                              or x.shape[3] < 1):
+        raise ValueError(f'expected a non-empty batch of images (B, C, H, W) with B >= 1, '
+                         f'H >= 1 and W >= 1, got shape {tuple(x.shape)}')
     return x
 
 
@@ -139,9 +146,7 @@ class SpatialReductionAttention(nn.Module):
     def __init__(self, embed_dims: int, num_heads: int, qkv_bias: bool = True,
                  sr_ratio: int = 1, attn_drop: float = 0., proj_drop: float = 0.):
         super().__init__()
-        if embed_dims % num_heads:
-            raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
-                             f'num_heads ({num_heads})')
+        check_heads(embed_dims, num_heads)
         self.num_heads = num_heads
         self.sr_ratio = check_positive_int('sr_ratio', sr_ratio)
         self.attn_drop = attn_drop
@@ -166,9 +171,7 @@ class WindowSoftmaxAttention(nn.Module):
     def __init__(self, embed_dims: int, num_heads: int, window_size: HWShape,
                  qkv_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.):
         super().__init__()
-        if embed_dims % num_heads:
-            raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
-                             f'num_heads ({num_heads})')
+        check_heads(embed_dims, num_heads)
         self.num_heads = num_heads
         self.window_size = tuple(window_size)
         self.attn_drop = attn_drop

@@ -31,12 +31,24 @@ def check_number(name: str, value, low: float = 0., high: float = math.inf,
     return value
 
 
-def to_2tuple_checked(name: str, value) -> HWShape:
-    """Turn an int or a pair of ints into a validated (h, w) tuple."""
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2:
+def check_heads(embed_dims: int, num_heads: int, where: str = '') -> None:
+    """embed_dims and num_heads positive ints, embed_dims a multiple of
+    num_heads (``where`` names the stage in the error)."""
+    check_positive_int('embed_dims', embed_dims)
+    check_positive_int('num_heads', num_heads)
+    if embed_dims % num_heads:
+        raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
+                         f'num_heads ({num_heads}){where}')
+
+
+def to_2tuple_checked(name: str, value, minimum: int = 1) -> HWShape:
+    """Turn an int or a pair of ints (each >= ``minimum``) into a validated
+    (h, w) tuple."""
+    pair = (value, value) if isinstance(value, int) else \
+        tuple(value) if isinstance(value, (tuple, list)) else None
+    if pair is None or len(pair) != 2:
         raise ValueError(f'{name} must be an int or a pair of ints, got {value!r}')
-    return (check_positive_int(name, pair[0]), check_positive_int(name, pair[1]))
+    return (check_positive_int(name, pair[0], minimum), check_positive_int(name, pair[1], minimum))
 
 
 def eval_cached(module: nn.Module, key: tuple, make):

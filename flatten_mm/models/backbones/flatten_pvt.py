@@ -12,10 +12,10 @@ from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention
 from ..resize import add_resized, resize_parts, resize_weights
-from ..utils import HWShape, eval_cached, to_2tuple_checked
+from ..utils import HWShape, eval_cached
 from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type, check_images,
-                      check_stage_list, drop_path_rates, stage_output)
-from .base import FLattenBackbone
+                      drop_path_rates, stage_output)
+from .base import FLattenBackbone, check_backbone_args, check_stages
 
 SOFTMAX_SR_RATIOS = (8, 4, 2, 1)
 
@@ -115,19 +115,15 @@ class FLattenPyramid(FLattenBackbone):
         super().__init__(init_cfg=init_cfg)
         preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
                                     num_heads=num_heads, mlp_ratios=mlp_ratios)
-        embed_dims = check_stage_list('embed_dims', preset['embed_dims'], 4, positive_ints=True)
-        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
-        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
-        mlp_ratios = check_stage_list('mlp_ratios', preset['mlp_ratios'], 4)
         attn_type = check_attn_type(attn_type, 4)
         if sr_ratios is None:
             sr_ratios = [1 if t == 'L' else r for t, r in zip(attn_type, SOFTMAX_SR_RATIOS)]
-        sr_ratios = check_stage_list('sr_ratios', sr_ratios, 4, positive_ints=True)
-        for dims, heads in zip(embed_dims, num_heads):
-            if dims % heads:
-                raise ValueError(f'embed_dims {embed_dims} must be divisible by '
-                                 f'num_heads {num_heads} stage by stage')
-        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
+        stages = check_stages(attn_type, preset['embed_dims'], preset['depths'],
+                              preset['num_heads'], preset['mlp_ratios'], sr_ratios=sr_ratios)
+        embed_dims, depths, num_heads, mlp_ratios, sr_ratios = (stages[k] for k in (
+            'embed_dims', 'depths', 'num_heads', 'mlp_ratios', 'sr_ratios'))
+        img = check_backbone_args(attn_type, in_channels, pretrain_img_size, focusing_factor,
+                                  kernel_size, drop_rate, attn_drop_rate, drop_path_rate)
         self.arch = arch
         self.embed_dims = embed_dims
         self.depths = depths
@@ -226,11 +222,17 @@ class FLattenPVT(FLattenPyramid):
         kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
         pretrain_img_size (int | tuple): resolution the position embeddings
             and encodings were learnt at; they are resized to each input.
-            Default: 224.
+            At least 32 (every stage needs a token). Default: 224.
         qkv_bias (bool): bias in q/kv projections. Default: True.
-        drop_rate, attn_drop_rate (float): dropout rates. Default: 0.
-        drop_path_rate (float): stochastic depth, linear over blocks. Default: 0.1.
-        out_indices (Sequence[int]): stages whose maps are returned.
+        drop_rate (float): dropout rate, in [0, 1). Default: 0.
+        attn_drop_rate (float): dropout on the attention weights of the
+            softmax (``S``) stages, in [0, 1). Linear (``L``) stages form no
+            attention matrix: non-zero with no ``S`` stage is an error, and
+            with some ``L`` stages a UserWarning says they ignore it. Default: 0.
+        drop_path_rate (float): stochastic depth, linear over blocks, in
+            [0, 1). Default: 0.1.
+        out_indices (Sequence[int]): stages whose maps are returned, distinct
+            and in increasing order (a tuple or list, e.g. ``(3,)``).
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the first k
             stages (with their patch embeddings). Default: -1.
         norm_eval (bool): keep normalisation layers in eval mode. Default: False.
