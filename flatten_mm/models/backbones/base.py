@@ -90,6 +90,18 @@ def check_out_indices(out_indices, num_stages: int = 4) -> Tuple[int, ...]:
     return values
 
 
+def check_init_cfg(init_cfg) -> None:
+    """None, a dict or a list of dicts (mmengine's forms); a ``Pretrained``
+    one names its checkpoint (else the error would come at init_weights)."""
+    cfgs = init_cfg if isinstance(init_cfg, list) else [init_cfg]
+    if init_cfg is not None and not all(isinstance(c, dict) for c in cfgs):
+        raise ValueError(f'init_cfg must be None, a dict or a list of dicts, got {init_cfg!r}')
+    for cfg in cfgs:
+        if cfg is not None and cfg.get('type') == 'Pretrained' and not cfg.get('checkpoint'):
+            raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path, "
+                             f'got {cfg!r}')
+
+
 class FLattenBackbone(BaseModule):
     """Base class of the dense backbones.
 
@@ -118,6 +130,7 @@ class FLattenBackbone(BaseModule):
                 not -1 <= frozen_stages <= num_stages:
             raise ValueError(f'frozen_stages must be an int in -1..{num_stages} '
                              f'(-1: nothing frozen), got {frozen_stages!r}')
+        check_init_cfg(self.init_cfg)
         self.frozen_stages = frozen_stages
         self.norm_eval = norm_eval
         self.with_cp = with_cp
