@@ -234,18 +234,18 @@ class WindowSoftmaxAttention(nn.Module):
                        dtype: torch.dtype) -> Tensor:
         """The relative position bias (1, h, n, n), with -inf at the padded
         keys of each window (batch * nW, h, n, n) when the partition padded.
-        Made every call from the table (the key mask, which depends on the
-        sizes only, is cached in inference)."""
+        Made every call from the table: only the additive key mask (0 or
+        -inf, (batch * nW, 1, 1, n)), which depends on the sizes alone, is
+        cached in inference; adding it is one fast pass (masked_fill is ~6x
+        slower on CPUs)."""
         n = self.window_size[0] * self.window_size[1]
         table = self.relative_position_bias_table
         bias = table[self.relative_position_index.view(-1)].view(n, n, -1)
         bias = bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
-        key_mask = eval_cached(self, ('mask', tuple(hw_shape), layout, batch, table.device),
-                               lambda: window_key_mask(hw_shape, self.window_size, layout,
-                                                       batch, table.device))
-        if key_mask is not None:
-            bias = bias.masked_fill(~key_mask[:, None, None, :], float('-inf'))
-        return bias
+        mask = eval_cached(self, ('mask', tuple(hw_shape), layout, batch, dtype, table.device),
+                           lambda: additive_key_mask(window_key_mask(
+                               hw_shape, self.window_size, layout, batch, table.device), dtype))
+        return bias if mask is None else bias + mask
 
     def attend(self, qkv: Tensor, bias: Tensor) -> Tensor:
         """Softmax attention inside windows: (B', n, 3C) -> (B', n, C), with
@@ -301,6 +301,15 @@ def window_key_mask(hw_shape: HWShape, window: HWShape, layout: Tuple[int, int, 
     valid[top:top + H, left:left + W] = True
     mask = valid.view(Hp // wh, wh, Wp // ww, ww).transpose(1, 2).reshape(-1, wh * ww)
     return mask.repeat(batch, 1)
+
+
+def additive_key_mask(key_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """(B', n) bool key mask -> (B', 1, 1, n) additive mask of ``dtype``:
+    0 at real keys, -inf at padded ones; None stays None."""
+    if key_mask is None:
+        return None
+    mask = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
+    return mask.masked_fill_(~key_mask, float('-inf'))[:, None, None, :]
 
 
 def window_merge(windows: Tensor, window: HWShape, hw_shape: HWShape,

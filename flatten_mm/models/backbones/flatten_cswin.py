@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention
 from ..utils import HWShape, eval_cached, map_to_tokens, tokens_to_map
-from ..layers import (DropPath, Mlp, check_stage_list, drop_path_rates, window_key_mask,
-                      window_merge, window_partition)
+from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_path_rates,
+                      window_key_mask, window_merge, window_partition)
 from .base import DoublingBackbone
 
 
@@ -66,11 +66,7 @@ class LePEAttention(nn.Module):
     @staticmethod
     def padding_mask(hw_shape: HWShape, window: HWShape, layout, batch: int, dtype, device):
         """(B * nW, 1, 1, n) additive mask, -inf at padded keys; None without padding."""
-        key_mask = window_key_mask(hw_shape, window, layout, batch, device)
-        if key_mask is None:
-            return None
-        mask = torch.zeros(key_mask.shape, dtype=dtype, device=device)
-        return mask.masked_fill(~key_mask, float('-inf'))[:, None, None, :]
+        return additive_key_mask(window_key_mask(hw_shape, window, layout, batch, device), dtype)
 
     def forward(self, qkv: Tensor) -> Tensor:
         """(B, H, W, 3C) map of q, k, v (C channels each) -> (B, H, W, C)."""
