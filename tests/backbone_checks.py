@@ -90,7 +90,7 @@ def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2)):
 
 def eval_cache_state(model):
     """Every module's eval-mode cache: its keys and the identity of each value."""
-    return {name: [(key, id(value)) for key, value in m.__dict__.get('_eval_cache', {}).items()]
+    return {name: {key: id(value) for key, value in m.__dict__.get('_eval_cache', {}).items()}
             for name, m in model.named_modules()}
 
 

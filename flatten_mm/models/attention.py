@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from .ops import DepthwiseConvFn, focused_linear_attention
 from .resize import add_resized, resize_parts, resize_tokens, resize_weights
 from .utils import (HWShape, add_projections, check_heads, check_number, check_positive_int,
-                    eval_cached, map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
+                    eval_cached, map_to_tokens, param_cached, spatial_reduce, tokens_to_map,
+                    to_2tuple_checked)
 
 
 class FocusedLinearAttention(nn.Module):
@@ -109,12 +110,13 @@ class FocusedLinearAttention(nn.Module):
 
     def add_positional_encoding_(self, k: Tensor, grid: HWShape) -> Tensor:
         """k (B, h*w, C) plus the positional encoding resized to ``grid``, in place."""
-        pe = self.positional_encoding
-        # only the resize weights are cached: the product with the parameter
-        # (small, h rows) is redone every call, so no weight update can go unseen
-        weights = eval_cached(self, ('pe', tuple(grid), pe.dtype, pe.device),
-                              lambda: resize_weights(self.pos_grid, grid, pe))
-        return add_resized(k, resize_parts(pe, self.pos_grid, grid, weights), inplace=True)
+        pe, grid = self.positional_encoding, tuple(grid)
+
+        def make():
+            weights = eval_cached(self, ('pe weights', grid, pe.dtype, pe.device),
+                                  lambda: resize_weights(self.pos_grid, grid, pe))
+            return resize_parts(pe, self.pos_grid, grid, weights)
+        return add_resized(k, param_cached(self, ('pe', grid), make, (pe,)), inplace=True)
 
     def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:
         """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid.

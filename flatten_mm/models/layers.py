@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .utils import (HWShape, add_projections, check_heads, check_positive_int, eval_cached,
-                    map_to_tokens, spatial_reduce, tokens_to_map)
+                    map_to_tokens, param_cached, spatial_reduce, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 
 ATTN_TYPES = ('L', 'S')
@@ -226,7 +226,9 @@ class WindowSoftmaxAttention(nn.Module):
         # project the real tokens only; windows are cut from q, k, v
         qkv = self.qkv(x).view(B, H, W, 3 * C)
         windows, layout = window_partition(qkv, self.window_size, offset)
-        bias = self.attention_bias(hw_shape, layout, B, qkv.dtype)
+        bias = param_cached(self, ('bias', tuple(hw_shape), layout, B, qkv.dtype),
+                            lambda: self.attention_bias(hw_shape, layout, B, qkv.dtype),
+                            (self.relative_position_bias_table,))
         out = window_merge(self.attend(windows, bias), self.window_size, hw_shape, layout)
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
 
@@ -234,10 +236,9 @@ class WindowSoftmaxAttention(nn.Module):
                        dtype: torch.dtype) -> Tensor:
         """The relative position bias (1, h, n, n), with -inf at the padded
         keys of each window (batch * nW, h, n, n) when the partition padded.
-        Made every call from the table: only the additive key mask (0 or
-        -inf, (batch * nW, 1, 1, n)), which depends on the sizes alone, is
-        cached in inference; adding it is one fast pass (masked_fill is ~6x
-        slower on CPUs)."""
+        The additive key mask (0 or -inf, (batch * nW, 1, 1, n)) depends on
+        the sizes alone and is cached in inference; adding it is one fast
+        pass (masked_fill is ~6x slower on CPUs)."""
         n = self.window_size[0] * self.window_size[1]
         table = self.relative_position_bias_table
         bias = table[self.relative_position_index.view(-1)].view(n, n, -1)

@@ -51,32 +51,73 @@ def to_2tuple_checked(name: str, value, minimum: int = 1) -> HWShape:
     return (check_positive_int(name, pair[0], minimum), check_positive_int(name, pair[1], minimum))
 
 
+def _inference_cache(module: nn.Module):
+    """``module``'s inference cache (an OrderedDict), or None when nothing may
+    be cached: in training (which drops the cache), with gradients recorded,
+    while compiling or tracing."""
+    if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling() \
+            or torch.jit.is_tracing() or is_fx_symbolic_tracing():
+        if module.training:
+            module.__dict__.pop('_eval_cache', None)
+        return None
+    return module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
+
+
+def _store(cache: collections.OrderedDict, key, value):
+    cache[key] = value
+    while len(cache) > EVAL_CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
+
+
+# entries kept per module: a FLatten-PVT backbone holds two per stage and input size
+EVAL_CACHE_SIZE = 8
+
+
 def eval_cached(module: nn.Module, key: tuple, make):
     """``make()``, computed once per ``key`` while ``module`` is in eval mode
     and no gradient is recorded (inference), else every call.
 
     Only for what depends on the input size alone (masks, window layouts,
     resize weights), with the dtype and device it is made in as part of
-    ``key``: never for anything made from parameter values. Those can change
-    in place without a trace on the parameter (``p.data.mul_()``, as mmdet's
-    MeanTeacherHook updates its teacher, or mmengine's EMAHook swaps weights
-    with ``.data.copy_``: no new storage, no version bump), so a cache keyed
-    on them would serve stale values silently. The last four keys are kept;
-    switching to training mode drops them.
+    ``key``; what is made from parameters goes through :func:`param_cached`.
+    The last EVAL_CACHE_SIZE keys are kept; training mode drops them.
     """
-    if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling() \
-            or torch.jit.is_tracing() or is_fx_symbolic_tracing():
-        if module.training:
-            module.__dict__.pop('_eval_cache', None)
+    cache = _inference_cache(module)
+    if cache is None:
         return make()
     full = (key, torch.is_inference_mode_enabled())
-    cache = module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
     if full in cache:
         cache.move_to_end(full)
         return cache[full]
-    value = cache[full] = make()
-    while len(cache) > 4:
-        cache.popitem(last=False)
+    return _store(cache, full, make())
+
+
+def param_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...]):
+    """``make()``, a value made from the tensors ``params`` (resized positional
+    encodings, bias tables), cached in inference as :func:`eval_cached` on
+    CPUs, and served only while ``params`` still hold exactly the values it
+    was made from.
+
+    Parameter values can change in place without any trace on the parameter
+    (``p.data.mul_()``, as mmdet's MeanTeacherHook updates its teacher;
+    mmengine's EMAHook swaps weights with ``.data.copy_``: no new storage, no
+    version bump), so an entry keeps a copy of ``params`` and each call
+    compares them (``torch.equal``: one read of parameters that are small
+    next to the activations). On other devices the comparison would wait for
+    the device, and remaking the value costs next to nothing there: it is
+    made every call.
+    """
+    cache = _inference_cache(module)
+    if cache is None or any(p.device.type != 'cpu' for p in params):
+        return make()
+    full = (key, torch.is_inference_mode_enabled(), tuple(p.dtype for p in params))
+    entry = cache.get(full)
+    if entry is not None and all(torch.equal(p, c) for p, c in zip(params, entry[1])):
+        cache.move_to_end(full)
+        return entry[0]
+    value = make()
+    _store(cache, full, (value, tuple(p.detach().clone() for p in params)))
     return value
 
 

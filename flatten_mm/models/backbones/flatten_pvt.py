@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention
 from ..resize import add_resized, resize_parts, resize_weights
-from ..utils import HWShape, eval_cached
+from ..utils import HWShape, eval_cached, param_cached
 from ..layers import (DropPath, Mlp, SpatialReductionAttention, check_attn_type, check_images,
                       drop_path_rates, stage_output)
 from .base import FLattenBackbone, check_backbone_args, check_stages
@@ -175,10 +175,11 @@ class FLattenPyramid(FLattenBackbone):
         x, hw_shape = getattr(self, f'patch_embed{i + 1}')(x)
         if self.version == 1:
             pos = getattr(self, f'pos_embed{i + 1}')
-            weights = eval_cached(self, (i, hw_shape, pos.dtype, pos.device),
-                                  lambda: resize_weights(self.pos_grids[i], hw_shape, pos))
-            x = self.pos_drop(add_resized(x, resize_parts(pos, self.pos_grids[i], hw_shape,
-                                                          weights)))
+            parts = param_cached(self, (i, hw_shape), lambda: resize_parts(
+                pos, self.pos_grids[i], hw_shape, eval_cached(
+                    self, ('weights', i, hw_shape, pos.dtype, pos.device),
+                    lambda: resize_weights(self.pos_grids[i], hw_shape, pos))), (pos,))
+            x = self.pos_drop(add_resized(x, parts))
         for block in getattr(self, f'block{i + 1}'):
             x = self.run_block(block, x, hw_shape)
         if self.version == 2:
