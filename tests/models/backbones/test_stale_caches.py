@@ -44,11 +44,17 @@ def test_issue_reproduction():
         assert_same(teacher(x), fresh(x))
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+
+
+# on CPUs parameter-derived values are cached and checked against a copy of
+# the parameters; on CUDA they are made every call
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=CUDA)])
 @pytest.mark.parametrize('family', FAMILIES)
-def test_mean_teacher_update_through_data(family):
-    student = small_backbone(family)
+def test_mean_teacher_update_through_data(family, device):
+    student = small_backbone(family).to(device)
     teacher = copy.deepcopy(student).eval()
-    x = torch.randn(1, 3, 45, 67)
+    x = torch.randn(1, 3, 45, 67, device=device)
     with torch.no_grad():
         teacher(x)
         for p in student.parameters():
@@ -88,3 +94,18 @@ def test_ema_swap_load_and_cast(family):
         outs = model(x.double())
         assert all(o.dtype == torch.float64 for o in outs)
         assert_same(outs, fresh_outputs(model, x.double()))
+
+
+def test_nan_parameters_are_never_served_from_the_cache():
+    """torch.equal(nan, nan) is False: a parameter holding NaN is remade
+    every call (the same outputs), never compared equal to a stale copy."""
+    model = small_backbone('swin').eval()
+    x = torch.randn(1, 3, 45, 67)
+    with torch.no_grad():
+        model(x)
+        table = model.layers[2].blocks[0].attn.relative_position_bias_table
+        table.data[0, 0] = float('nan')
+        first = model(x)
+        table.data[0, 0] = 0.5
+        assert_same(model(x), fresh_outputs(model, x))
+    assert any(torch.isnan(o).any() for o in first)
