@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
 from .utils import HWShape
-from .layers import stage_output
+from .layers import check_images, stage_output
 from .backbones.flatten_cswin import FLattenCSwin
 from .backbones.flatten_pvt import FLattenPVT, FLattenPVTv2
 from .backbones.flatten_swin import FLattenSwin
@@ -115,6 +115,7 @@ class ClassifierMixin:
 
     def forward_features(self, x: Tensor) -> Tensor:
         """Unpooled features of the last stage, in ``output_fmt``."""
+        x = check_images(x)
         for _, tokens, hw_shape in self.stage_tokens(x, self.num_stages - 1):
             pass
         return self.final_features(tokens, hw_shape)
@@ -135,6 +136,7 @@ class ClassifierMixin:
         if output_fmt != 'NCHW':
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         taken = take_indices(self.num_stages, indices)
+        x = check_images(x)
         last = max(taken) if stop_early or intermediates_only else self.num_stages - 1
         intermediates = []
         for i, tokens, hw_shape in self.stage_tokens(x, last):

@@ -152,3 +152,13 @@ def test_features_only(name):
         (c, 96 // s, 64 // s) for c, s in zip(model.feature_info.channels(), (8, 32))]
     # stages after the last one taken are gone, and so is the head
     assert not any('head' in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_empty_batches_rejected(name):
+    model = small(name).eval()
+    for shape in ((0, 3, 32, 32), (1, 3, 0, 32)):
+        with pytest.raises(ValueError, match='expected a non-empty batch of images'):
+            model(torch.randn(shape))
+        with pytest.raises(ValueError, match='expected a non-empty batch of images'):
+            model.forward_intermediates(torch.randn(shape))
