@@ -1,6 +1,7 @@
 """What every FLatten backbone shares: pretrained loading, stage freezing,
 norm_eval, gradient checkpointing and the default initialisation."""
 import math
+import numbers
 import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -63,7 +64,7 @@ def check_backbone_args(attn_type: str, in_channels: int, pretrain_img_size,
                          f'got {kernel_size}')
     for name, rate in (('drop_rate', drop_rate), ('attn_drop_rate', attn_drop_rate),
                        ('drop_path_rate', drop_path_rate)):
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or \
+        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or \
                 not 0 <= rate < 1:
             raise ValueError(f'{name} must be a number in [0, 1), got {rate!r}')
     if attn_drop_rate and 'S' not in attn_type:
