@@ -26,8 +26,9 @@ def check_number(name: str, value, low: float = 0., high: float = math.inf,
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and \
         math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
     if not ok:
-        bound = f'{"(" if low_open else "["}{low:g}, {high:g}]'
-        raise ValueError(f'{name} must be a finite number in {bound}, got {value!r}')
+        bound = f'{">" if low_open else ">="} {low:g}' if high == math.inf else \
+            f'in {"(" if low_open else "["}{low:g}, {high:g}]'
+        raise ValueError(f'{name} must be a finite number {bound}, got {value!r}')
     return value
 
 
