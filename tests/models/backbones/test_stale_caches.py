@@ -109,3 +109,28 @@ def test_nan_parameters_are_never_served_from_the_cache():
         table.data[0, 0] = 0.5
         assert_same(model(x), fresh_outputs(model, x))
     assert any(torch.isnan(o).any() for o in first)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_mmdet_mean_teacher_loop(family):
+    """mmdet's semi-supervised loop: the runner's model.train() each step
+    (the teacher included, though it never runs in training mode), the
+    student's step, MeanTeacherHook's in-place update, then the teacher in
+    eval under no_grad for pseudo-labels (SemiBaseDetector.get_pseudo_instances).
+    The teacher never forwards in training mode, so nothing drops its caches."""
+    hooks = pytest.importorskip('mmdet.engine.hooks')
+    student = small_backbone(family, drop_path_rate=0.)
+    model = torch.nn.Module()
+    model.student, model.teacher = student, copy.deepcopy(student)
+    hook = hooks.MeanTeacherHook(momentum=0.5)
+    optim = torch.optim.SGD(student.parameters(), lr=1.0)
+    x = torch.randn(1, 3, 45, 67)
+    for _ in range(3):
+        model.train()
+        optim.zero_grad()
+        sum(o.square().mean() for o in student(x)).backward()
+        optim.step()
+        hook.momentum_update(model, hook.momentum)
+        model.teacher.eval()
+        with torch.no_grad():
+            assert_same(model.teacher(x), fresh_outputs(model.teacher, x))
