@@ -89,7 +89,7 @@ def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2)):
 
 def eval_cache_state(model):
     """Every module's eval-mode cache: its keys and the identity of each value."""
-    return {name: [(key, id(value)) for key, value in m.__dict__.get('_eval_cache', {}).items()]
+    return {name: {key: id(value) for key, value in m.__dict__.get('_eval_cache', {}).items()}
             for name, m in model.named_modules()}
 
 
@@ -121,3 +121,22 @@ def assert_eval_cache_reused(model, hw=(45, 67)):
     model.train()
     model(x)
     assert all('_eval_cache' not in m.__dict__ for m in model.modules())
+
+
+FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin')
+
+
+def small_backbone(family: str, **kw):
+    """A small initialised backbone of ``family`` (one of FAMILIES), with
+    linear and softmax stages unless ``attn_type`` says otherwise."""
+    from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
+    if family in ('pvt', 'pvtv2'):
+        kw = dict(dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
+                       arch='tiny' if family == 'pvt' else 'b0', attn_type='LLSS'), **kw)
+        cls = FLattenPVT if family == 'pvt' else FLattenPVTv2
+    else:
+        kw = dict(dict(embed_dims=16, num_heads=[2, 2, 4, 4], depths=[1, 2, 2, 1]), **kw)
+        cls = FLattenSwin if family == 'swin' else FLattenCSwin
+    m = cls(**kw)
+    m.init_weights()
+    return m

@@ -14,27 +14,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import depthwise_conv, focused_linear_attention
-from .resize import add_resized, resize_parts, resize_tokens
-from .utils import (HWShape, add_projections, check_positive_int, inference_cached,
+from .resize import add_resized, cached_resize_parts, resize_tokens
+from .utils import (HWShape, add_projections, check_heads, check_number, check_positive_int,
                     map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
 
 
 def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
                          kernel_size: int, attn_drop: float, lepe: bool) -> None:
     """The checks of :class:`FocusedLinearAttention`'s arguments (ValueError)."""
-    check_positive_int('embed_dims', embed_dims)
-    check_positive_int('num_heads', num_heads)
-    if embed_dims % num_heads:
-        raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
-                         f'num_heads ({num_heads})')
+    check_heads(embed_dims, num_heads)
     check_positive_int('sr_ratio', sr_ratio)
     check_positive_int('kernel_size', kernel_size)
     if kernel_size % 2 == 0:
         raise ValueError(f'kernel_size must be odd (the DWC keeps the grid '
                          f'size), got {kernel_size}')
-    if not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
-        raise ValueError(f'focusing_factor must be a number > 0, got '
-                         f'{focusing_factor!r}')
+    check_number('focusing_factor', focusing_factor, low_open=True)
     if attn_drop:
         raise ValueError(f'attn_drop must be 0 for linear attention (no '
                          f'attention matrix is formed), got {attn_drop}')
@@ -135,9 +129,7 @@ class FocusedLinearAttention(nn.Module):
 
     def add_positional_encoding_(self, k: Tensor, grid: HWShape) -> Tensor:
         """k (B, h*w, C) plus the positional encoding resized to ``grid``, in place."""
-        pe = self.positional_encoding
-        parts = inference_cached(self, ('pe', tuple(grid)),
-                                 lambda: resize_parts(pe, self.pos_grid, grid), (pe,))
+        parts = cached_resize_parts(self, 'pe', self.positional_encoding, self.pos_grid, grid)
         return add_resized(k, parts, inplace=True)
 
     def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:

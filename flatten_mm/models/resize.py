@@ -6,9 +6,10 @@ import functools
 from typing import List, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .utils import HWShape
+from .utils import HWShape, inference_cached, param_cached
+
 
 @functools.lru_cache(maxsize=256)
 def linear_resize_taps(src: int, dst: int) -> Tuple[List[int], List[int], List[float]]:
@@ -51,17 +52,31 @@ def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
     return torch.tensor(weights(src, dst), dtype=like.dtype, device=like.device).view(dst, src)
 
 
-def resize_parts(tokens: Tensor, src: HWShape, dst: HWShape) -> Tuple[Optional[Tensor], Tensor]:
+def resize_weights(src: HWShape, dst: HWShape, like: Tensor
+                   ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The row weights (H, h) and column weights (W, w) of resizing a grid
+    from ``src`` to ``dst``, in ``like``'s dtype and device; None for an axis
+    that keeps its size. They depend on the sizes only: what an inference
+    cache may hold (:func:`~flatten_mm.models.utils.inference_cached`)."""
+    rows = None if src[0] == dst[0] else resize_matrix(src[0], dst[0], like)
+    cols = None if src[1] == dst[1] else resize_matrix(src[1], dst[1], like)
+    return rows, cols
+
+
+def resize_parts(tokens: Tensor, src: HWShape, dst: HWShape,
+                 weights: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
+                 ) -> Tuple[Optional[Tensor], Tensor]:
     """Bilinear resizing of (B, h*w, C) tokens from ``src`` to ``dst`` in two
     factors: the tokens resized along columns, G (B, h, W*C), and the row
     weights R (H, h), None when the rows keep their number. The resized
     tokens are ``R @ G``; G is small (h rows), so a caller can add ``R @ G``
-    to a full-size tensor in one pass without making it (:func:`add_resized`)."""
+    to a full-size tensor in one pass without making it (:func:`add_resized`).
+    ``weights``: :func:`resize_weights` of these sizes, if the caller has them."""
     B, _, C = tokens.shape
+    rows, cols = resize_weights(src, dst, tokens) if weights is None else weights
     grid = tokens.reshape(B, src[0], src[1], C)
-    if src[1] != dst[1]:
-        grid = torch.matmul(resize_matrix(src[1], dst[1], tokens), grid)  # (B, h, W, C)
-    rows = None if src[0] == dst[0] else resize_matrix(src[0], dst[0], tokens)
+    if cols is not None:
+        grid = torch.matmul(cols, grid)  # (B, h, W, C)
     return rows, grid.reshape(B, src[0], dst[1] * C)
 
 
@@ -92,3 +107,19 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
         args = (rows.to(x.dtype).expand(B, -1, -1), cols.expand(B, -1, -1))
         out = x3.baddbmm_(*args) if inplace else torch.baddbmm(x3, *args)
     return out.view(x.shape)
+
+
+def cached_resize_parts(module: nn.Module, key: tuple, tokens: Tensor, src: HWShape,
+                        dst: HWShape) -> Tuple[Optional[Tensor], Tensor]:
+    """:func:`resize_parts` of a parameter ``tokens`` (a positional encoding or
+    embedding of ``module``) from ``src`` to ``dst``, cached in inference:
+    the resize weights by size (``inference_cached``), the parts while the
+    parameter keeps its values (``param_cached``)."""
+    dst = tuple(dst)
+
+    def make():
+        weights = inference_cached(module, ('resize weights', key, dst, tokens.dtype,
+                                            tokens.device),
+                                   lambda: resize_weights(src, dst, tokens))
+        return resize_parts(tokens, src, dst, weights)
+    return param_cached(module, ('resized', key, dst), make, (tokens,))

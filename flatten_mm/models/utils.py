@@ -1,6 +1,8 @@
 """Small helpers every backbone and layer shares: argument checks, the token
 <-> map layouts, the stage-output layout and the inference cache."""
 import collections
+import math
+import numbers
 from typing import Tuple
 
 import torch
@@ -17,42 +19,108 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
-def to_2tuple_checked(name: str, value) -> HWShape:
-    """Turn an int or a pair of ints into a validated (h, w) tuple."""
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2:
+def check_number(name: str, value, low: float = 0., high: float = math.inf,
+                 low_open: bool = False) -> float:
+    """Return ``value`` if it is a finite real number (not a bool) in
+    ``[low, high]`` (``(low, high]`` with ``low_open``), else raise ValueError."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+        math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f'{">" if low_open else ">="} {low:g}' if high == math.inf else \
+            f'in {"(" if low_open else "["}{low:g}, {high:g}]'
+        raise ValueError(f'{name} must be a finite number {bound}, got {value!r}')
+    return value
+
+
+def check_heads(embed_dims: int, num_heads: int, where: str = '') -> None:
+    """embed_dims and num_heads positive ints, embed_dims a multiple of
+    num_heads (``where`` names the stage in the error)."""
+    check_positive_int('embed_dims', embed_dims)
+    check_positive_int('num_heads', num_heads)
+    if embed_dims % num_heads:
+        raise ValueError(f'embed_dims ({embed_dims}) must be divisible by '
+                         f'num_heads ({num_heads}){where}')
+
+
+def to_2tuple_checked(name: str, value, minimum: int = 1) -> HWShape:
+    """Turn an int or a pair of ints (each >= ``minimum``) into a validated
+    (h, w) tuple."""
+    pair = (value, value) if isinstance(value, int) else \
+        tuple(value) if isinstance(value, (tuple, list)) else None
+    if pair is None or len(pair) != 2:
         raise ValueError(f'{name} must be an int or a pair of ints, got {value!r}')
-    return (check_positive_int(name, pair[0]), check_positive_int(name, pair[1]))
+    return (check_positive_int(name, pair[0], minimum), check_positive_int(name, pair[1], minimum))
 
 
-def inference_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] = ()):
-    """``make()``, computed once per ``key`` while ``module`` is in eval mode
-    and no gradient is recorded (inference), else every call.
-
-    For what depends only on the input size and on ``params`` (resized
-    positional encodings, masks, window layouts); the parameters' storage and
-    version counters are part of the key, so loading weights, an optimizer
-    step or ``.to()`` invalidate an entry. The last four keys are kept;
-    switching to training mode drops them.
-    """
+def _inference_cache(module: nn.Module):
+    """``module``'s inference cache (an OrderedDict), or None when nothing may
+    be cached: in training (which drops the cache), with gradients recorded,
+    while compiling or tracing."""
     if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling() \
             or torch.jit.is_tracing() or is_fx_symbolic_tracing():
         if module.training:
             module.__dict__.pop('_eval_cache', None)
-        return make()
-    full = (key, torch.is_inference_mode_enabled()) + tuple(
-        (p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-    cache = module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
-    if full in cache:
-        cache.move_to_end(full)
-        return cache[full]
-    value = cache[full] = make()
-    while len(cache) > 4:
+        return None
+    return module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
+
+
+def _store(cache: collections.OrderedDict, key, value):
+    cache[key] = value
+    while len(cache) > EVAL_CACHE_SIZE:
         cache.popitem(last=False)
     return value
 
 
-eval_cached = inference_cached  # the former name
+# entries kept per module: a FLatten-PVT backbone holds two per stage and input size
+EVAL_CACHE_SIZE = 8
+
+
+def inference_cached(module: nn.Module, key: tuple, make):
+    """``make()``, computed once per ``key`` while ``module`` is in eval mode
+    and no gradient is recorded (inference), else every call.
+
+    Only for what depends on the input size alone (masks, window layouts,
+    resize weights), with the dtype and device it is made in as part of
+    ``key``; what is made from parameters goes through :func:`param_cached`.
+    The last EVAL_CACHE_SIZE keys are kept; training mode drops them.
+    """
+    cache = _inference_cache(module)
+    if cache is None:
+        return make()
+    full = (key, torch.is_inference_mode_enabled())
+    if full in cache:
+        cache.move_to_end(full)
+        return cache[full]
+    return _store(cache, full, make())
+
+
+def param_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...]):
+    """``make()``, a value made from the tensors ``params`` (resized positional
+    encodings, bias tables), cached in inference as :func:`inference_cached` on
+    CPUs, and served only while ``params`` still hold exactly the values it
+    was made from.
+
+    Parameter values can change in place without any trace on the parameter
+    (``p.data.mul_()``, as mmdet's MeanTeacherHook updates its teacher;
+    mmengine's EMAHook swaps weights with ``.data.copy_``: no new storage, no
+    version bump), so an entry keeps a copy of ``params`` and each call
+    compares them (``torch.equal``: one read of parameters that are small
+    next to the activations). On other devices the comparison would wait for
+    the device, and remaking the value costs next to nothing there: it is
+    made every call.
+    """
+    cache = _inference_cache(module)
+    if cache is None or any(p.device.type != 'cpu' for p in params):
+        return make()
+    full = (key, torch.is_inference_mode_enabled(), tuple(p.dtype for p in params))
+    entry = cache.get(full)
+    if entry is not None and all(torch.equal(p, c) for p, c in zip(params, entry[1])):
+        cache.move_to_end(full)
+        return entry[0]
+    value = make()
+    _store(cache, full, (value, tuple(p.detach().clone() for p in params)))
+    return value
+
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:

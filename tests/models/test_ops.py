@@ -191,3 +191,71 @@ def test_per_head_products_equal_einsum(B, h):
                                torch.einsum('bnhd,bhd->bnh', xh, vec.view(B, h, d)))
     torch.testing.assert_close(heads_weighted_sum(w, x),
                                torch.einsum('bnh,bnhd->bhd', w, xh).reshape(B, 1, h * d))
+
+
+# every focusing factor the module accepts, small and large: p = 50 and 100
+# made the fast path's u = (a / |a|)^p underflow to 0 (NaN outputs) in fp32
+FOCUSING_FACTORS = [1, 2, 3, 10, 50, 100]
+
+
+@pytest.mark.parametrize('p', FOCUSING_FACTORS)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_any_focusing_factor_gives_the_reference(p, dtype):
+    torch.manual_seed(0)
+    m = FocusedLinearAttention(64, 2, pos_grid=(4, 5), focusing_factor=p)
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.normal_(0, 0.3)
+    x = torch.randn(2, 20, 64)
+    m64 = FocusedLinearAttention(64, 2, pos_grid=(4, 5), focusing_factor=p).double()
+    m64.load_state_dict(m.state_dict())
+    m = m.to(dtype)
+    out = m(x.to(dtype), (4, 5))
+    # the reference formula in float64 on the same (rounded) weights and input
+    ref = reference_forward(m64, x.to(dtype).double(), (4, 5))
+    assert torch.isfinite(out).all()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+@pytest.mark.parametrize('p', FOCUSING_FACTORS)
+def test_large_focusing_factor_gradients_match_reference(p):
+    """The hand-derived backward against autograd on the reference formula,
+    float64, the module's gradients finite in float32 too."""
+    torch.manual_seed(0)
+    B, N, C, h = 2, 9, 12, 3
+    q, k, v = (torch.randn(B, N, C, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sigma = torch.randn(C, dtype=torch.float64, requires_grad=True)
+
+    def plain():
+        s = F.softplus(sigma)
+        return linear_attention(focusing_map(q, s, p), focusing_map(k, s, p), v, h)
+
+    def fast():
+        return FocusedLinearAttentionFn.apply(q, k, v, 1 / F.softplus(sigma), p, h, None, False)
+
+    for a, b in zip(grads(fast, [q, k, v, sigma]), grads(plain, [q, k, v, sigma])):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+    m = random_module(32, 2, dtype=torch.float32)
+    m.focusing_factor = p
+    x = torch.randn(1, 30, 32, requires_grad=True)
+    out = m(x, (5, 6))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(prm.grad).all() for prm in m.parameters())
+
+
+@pytest.mark.parametrize('p', [50, 100])
+def test_large_focusing_factor_gradcheck(p):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    s_inv = torch.rand(6, dtype=torch.float64).add_(0.5).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda *t: FocusedLinearAttentionFn.apply(*t, p, 2, None, False), (q, k, v, s_inv))
+
+
+@pytest.mark.parametrize('p', [0, -1, float('nan'), float('inf'), -float('inf'), True, '3',
+                               None])
+def test_focusing_factor_must_be_finite_positive(p):
+    with pytest.raises(ValueError, match='focusing_factor'):
+        FocusedLinearAttention(32, 2, focusing_factor=p)

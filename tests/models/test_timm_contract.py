@@ -171,3 +171,11 @@ def test_registered_names_match_the_table_tools_use():
         for key, value in dense.state_dict().items():
             if not key.startswith('norm') or kind == 'pvtv2':
                 assert shapes[key] == value.shape, (name, key)
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_empty_batches_rejected(name):
+    model = small(name).eval()
+    for shape in ((0, 3, 32, 32), (1, 3, 0, 32)):
+        with pytest.raises(ValueError, match='expected a non-empty batch of images'):
+            model(torch.randn(shape))
+        with pytest.raises(ValueError, match='expected a non-empty batch of images'):
+            model.forward_intermediates(torch.randn(shape))

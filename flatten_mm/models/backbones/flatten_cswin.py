@@ -26,8 +26,8 @@ from ...conversion import cswin_convert
 from ..attention import FocusedLinearAttention
 from ..utils import (HWShape, inference_cached, map_to_tokens, pad_to_multiple, stage_grid,
                      tokens_to_map)
-from ..layers import (DropPath, Mlp, check_stage_list, drop_path_rates, window_key_mask,
-                      window_merge, window_partition)
+from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_path_rates,
+                      window_key_mask, window_merge, window_partition)
 from .base import Stage, StageOutput, SwinLikeBackbone
 
 
@@ -68,11 +68,7 @@ class LePEAttention(nn.Module):
     @staticmethod
     def padding_mask(hw_shape: HWShape, window: HWShape, layout, batch: int, dtype, device):
         """(B * nW, 1, 1, n) additive mask, -inf at padded keys; None without padding."""
-        key_mask = window_key_mask(hw_shape, window, layout, batch, device)
-        if key_mask is None:
-            return None
-        mask = torch.zeros(key_mask.shape, dtype=dtype, device=device)
-        return mask.masked_fill(~key_mask, float('-inf'))[:, None, None, :]
+        return additive_key_mask(window_key_mask(hw_shape, window, layout, batch, device), dtype)
 
     def forward(self, qkv: Tensor) -> Tensor:
         """(B, H, W, 3C) map of q, k, v (C channels each) -> (B, H, W, C)."""
@@ -82,9 +78,8 @@ class LePEAttention(nn.Module):
         windows, layout = window_partition(qkv, window, (0, 0))
         Bw, n, _ = windows.shape
         q, k, v = windows.view(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
-        mask = inference_cached(
-            self, ('mask', (H, W), B, q.dtype),
-            lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
+        mask = inference_cached(self, ('mask', (H, W), B, q.dtype, q.device),
+                           lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(Bw, n, C)
@@ -215,9 +210,11 @@ class FLattenCSwin(SwinLikeBackbone):
         kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
         mlp_ratio (float): MLP hidden ratio. Default: 4.
         qkv_bias (bool): bias in the qkv projections. Default: True.
-        drop_rate, attn_drop_rate (float): dropout rates. Default: 0.
-        drop_path_rate (float): stochastic depth, linear over blocks.
-            Default: 0.2 (the release's for tiny).
+        drop_rate, attn_drop_rate (float): dropout rates, in [0, 1); the
+            attention dropout acts in ``S`` stages only (see
+            :class:`FLattenPVT`). Default: 0.
+        drop_path_rate (float): stochastic depth, linear over blocks, in
+            [0, 1). Default: 0.2 (the release's for tiny).
         out_indices (Sequence[int]): stages whose (LayerNorm-ed) maps are
             returned. Default: (0, 1, 2, 3).
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the stem and
@@ -253,7 +250,10 @@ class FLattenCSwin(SwinLikeBackbone):
                  init_cfg: Optional[dict] = None):
         super().__init__(init_cfg=init_cfg)
         dims, depths, num_heads, img = self._stage_settings(
-            arch, embed_dims, depths, num_heads, attn_type, pretrain_img_size)
+            arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,
+            pretrain_img_size=pretrain_img_size, focusing_factor=focusing_factor,
+            kernel_size=kernel_size, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+            drop_path_rate=drop_path_rate)
         attn_type = self.attn_type
         split_size = check_stage_list('split_size', split_size, 4, positive_ints=True)
 

@@ -12,11 +12,11 @@ from torch import Tensor, nn
 
 from ...conversion import pvt_convert
 from ..attention import FocusedLinearAttention
-from ..resize import add_resized, resize_parts
-from ..utils import HWShape, inference_cached, stage_grid, to_2tuple_checked
+from ..resize import add_resized, cached_resize_parts
+from ..utils import HWShape, stage_grid
 from ..layers import (DropPath, Mlp, PatchEmbed, SpatialReductionAttention, check_attn_type,
-                      check_stage_list, drop_path_rates, stage_output)
-from .base import FLattenBackbone, Stage, StageOutput
+                      drop_path_rates, stage_output)
+from .base import FLattenBackbone, Stage, StageOutput, check_backbone_args, check_stages
 
 SOFTMAX_SR_RATIOS = (8, 4, 2, 1)
 
@@ -72,8 +72,7 @@ class PyramidStage(Stage):
         if self.has_pos_embed:
             pos = getattr(backbone, f'pos_embed{n}')
             grid = backbone.pos_grids[self.index]
-            parts = inference_cached(backbone, (self.index, hw_shape),
-                                     lambda: resize_parts(pos, grid, hw_shape), (pos,))
+            parts = cached_resize_parts(backbone, self.index, pos, grid, hw_shape)
             x = backbone.pos_drop(add_resized(x, parts))
         x = self.run_blocks(backbone, getattr(backbone, f'block{n}'), x, hw_shape)
         if self.has_norm:
@@ -121,7 +120,9 @@ class FLattenPyramid(FLattenBackbone):
         super().__init__(init_cfg=init_cfg)
         settings = self._stage_settings(arch, embed_dims, depths, num_heads, mlp_ratios,
                                         attn_type, sr_ratios)
-        img = to_2tuple_checked('pretrain_img_size', pretrain_img_size)
+        img = check_backbone_args(self.attn_type, in_channels, pretrain_img_size,
+                                  focusing_factor, kernel_size, drop_rate, attn_drop_rate,
+                                  drop_path_rate)
         # the token grid of each stage at the pretraining resolution
         self.pos_grids = [stage_grid(img, i) for i in range(4)]
         dpr = drop_path_rates(drop_path_rate, sum(self.depths))
@@ -144,18 +145,13 @@ class FLattenPyramid(FLattenBackbone):
         ``depths``, ``attn_type`` and ``num_stages``."""
         preset = self.arch_settings(arch, embed_dims=embed_dims, depths=depths,
                                     num_heads=num_heads, mlp_ratios=mlp_ratios)
-        embed_dims = check_stage_list('embed_dims', preset['embed_dims'], 4, positive_ints=True)
-        depths = check_stage_list('depths', preset['depths'], 4, positive_ints=True)
-        num_heads = check_stage_list('num_heads', preset['num_heads'], 4, positive_ints=True)
-        mlp_ratios = check_stage_list('mlp_ratios', preset['mlp_ratios'], 4)
         attn_type = check_attn_type(attn_type, 4)
         if sr_ratios is None:
             sr_ratios = [1 if t == 'L' else r for t, r in zip(attn_type, SOFTMAX_SR_RATIOS)]
-        sr_ratios = check_stage_list('sr_ratios', sr_ratios, 4, positive_ints=True)
-        for dims, heads in zip(embed_dims, num_heads):
-            if dims % heads:
-                raise ValueError(f'embed_dims {embed_dims} must be divisible by '
-                                 f'num_heads {num_heads} stage by stage')
+        stages = check_stages(attn_type, preset['embed_dims'], preset['depths'],
+                              preset['num_heads'], preset['mlp_ratios'], sr_ratios=sr_ratios)
+        embed_dims, depths, num_heads, mlp_ratios, sr_ratios = (stages[k] for k in (
+            'embed_dims', 'depths', 'num_heads', 'mlp_ratios', 'sr_ratios'))
         self.arch = arch
         self.embed_dims = embed_dims
         self.depths = depths
@@ -208,11 +204,17 @@ class FLattenPVT(FLattenPyramid):
         kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
         pretrain_img_size (int | tuple): resolution the position embeddings
             and encodings were learnt at; they are resized to each input.
-            Default: 224.
+            At least 32 (every stage needs a token). Default: 224.
         qkv_bias (bool): bias in q/kv projections. Default: True.
-        drop_rate, attn_drop_rate (float): dropout rates. Default: 0.
-        drop_path_rate (float): stochastic depth, linear over blocks. Default: 0.1.
-        out_indices (Sequence[int]): stages whose maps are returned.
+        drop_rate (float): dropout rate, in [0, 1). Default: 0.
+        attn_drop_rate (float): dropout on the attention weights of the
+            softmax (``S``) stages, in [0, 1). Linear (``L``) stages form no
+            attention matrix: non-zero with no ``S`` stage is an error, and
+            with some ``L`` stages a UserWarning says they ignore it. Default: 0.
+        drop_path_rate (float): stochastic depth, linear over blocks, in
+            [0, 1). Default: 0.1.
+        out_indices (Sequence[int]): stages whose maps are returned, distinct
+            and in increasing order (a tuple or list, e.g. ``(3,)``).
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the first k
             stages (with their patch embeddings). Default: -1.
         norm_eval (bool): keep normalisation layers in eval mode. Default: False.

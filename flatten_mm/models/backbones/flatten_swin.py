@@ -71,9 +71,8 @@ class SwinBlock(nn.Module):
             return self.attn(x, hw_shape, offset)
         B = x.shape[0]
         windows, layout = window_partition(x.view(B, H, W, x.shape[-1]), self.window, offset)
-        mask = inference_cached(
-            self, ('mask', tuple(hw_shape), layout, B),
-            lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
+        mask = inference_cached(self, ('mask', tuple(hw_shape), layout, B, x.device),
+                           lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
         windows = self.attn(windows, self.window, mask)
         return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
 
@@ -149,8 +148,11 @@ class FLattenSwin(SwinLikeBackbone):
         kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
         mlp_ratio (float): MLP hidden ratio. Default: 4.
         qkv_bias (bool): bias in the qkv projections. Default: True.
-        drop_rate, attn_drop_rate (float): dropout rates. Default: 0.
-        drop_path_rate (float): stochastic depth, linear over blocks. Default: 0.2.
+        drop_rate, attn_drop_rate (float): dropout rates, in [0, 1); the
+            attention dropout acts in ``S`` stages only (see
+            :class:`FLattenPVT`). Default: 0.
+        drop_path_rate (float): stochastic depth, linear over blocks, in
+            [0, 1). Default: 0.2.
         out_indices (Sequence[int]): stages whose (LayerNorm-ed) maps are
             returned. Default: (0, 1, 2, 3).
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the patch
@@ -187,7 +189,10 @@ class FLattenSwin(SwinLikeBackbone):
                  init_cfg: Optional[dict] = None):
         super().__init__(init_cfg=init_cfg)
         dims, depths, num_heads, img = self._stage_settings(
-            arch, embed_dims, depths, num_heads, attn_type, pretrain_img_size)
+            arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,
+            pretrain_img_size=pretrain_img_size, focusing_factor=focusing_factor,
+            kernel_size=kernel_size, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+            drop_path_rate=drop_path_rate)
         attn_type = self.attn_type
         window = to_2tuple_checked('window_size', window_size)
         lin_window = None if linear_window is None else \

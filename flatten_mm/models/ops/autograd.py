@@ -14,8 +14,11 @@ channels, p the focusing factor, eps = 1e-6.
 
 Forward, per token x (a row of q or k):
     a = (relu(x) + eps) * s_inv               s_inv = 1 / softplus(scale)
-    r = |a|,  u = (a / r)^p,  t = |u|,  c = r / t,  so phi(x) = c * u
-Dividing by r before the power keeps u <= 1, so nothing can overflow.
+    m = max(a),  u = (a / m)^p,  r = |a| = m |a / m|,  t = |u|,  c = r / t,
+    so phi(x) = c * u
+Dividing by the row's max before the power keeps u <= 1 with max(u) = 1, so
+nothing can overflow and t >= 1 cannot underflow, for any p (dividing by
+|a| instead let every u fall below fp32's range from p ~ 40: NaN outputs).
 
 For queries only the direction u matters up to the normaliser's eps, so per
 head, with KV = sum_j kappa_j u_j v_j^T and km = sum_j kappa_j u_j
@@ -118,13 +121,14 @@ class Focused(NamedTuple):
     tensors :func:`focus` computed (no copies)."""
     scaled: Optional[Tensor]  # a = (relu(x) + eps) * s_inv; None unless focus kept it
     scaled_norm: Tensor  # r = |a|, (..., 1)
-    sharpened: Tensor  # u = (a / r)^p, the direction sharpened
+    sharpened: Tensor  # u = (a / max(a))^p, the direction sharpened, largest element 1
     sharpened_norm: Tensor  # t = |u|, (..., 1)
 
 
 def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: bool = False,
           buffers: Optional[Tuple[Tensor, Tensor]] = None) -> Focused:
-    """The focused mapping's a, r, u, t (module docstring) as :class:`Focused`.
+    """The focused mapping's a, r, u, t (module docstring) as :class:`Focused`;
+    u = (a / max(a))^p, r = |a|.
 
     ``a = max(x * s_inv + eps * s_inv, eps * s_inv)``, which is
     ``(relu(x) + eps) * s_inv`` as s_inv > 0, in two passes and one buffer
@@ -136,8 +140,10 @@ def focus(x: Tensor, s_inv: Tensor, p: float, keep_a: bool = True, in_place: boo
     eps_s = EPS * s_inv
     a_buf, u_buf = buffers if buffers is not None else (None, None)
     a = torch.addcmul(eps_s, x, s_inv, out=x if in_place else a_buf).clamp_min_(eps_s)
-    r = torch.linalg.vector_norm(a, dim=-1, keepdim=True)
-    u = (torch.div(a, r, out=u_buf) if keep_a else a.div_(r)).pow_(p)
+    a_max = a.amax(dim=-1, keepdim=True)
+    u = torch.div(a, a_max, out=u_buf) if keep_a else a.div_(a_max)
+    r = torch.linalg.vector_norm(u, dim=-1, keepdim=True).mul_(a_max)  # |a|
+    u = u.pow_(p)
     t = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
     return Focused(a if keep_a else None, r, u, t)
 
@@ -147,16 +153,21 @@ def focus_backward(x: Tensor, s_inv: Tensor, p: float, parts: Focused,
     """Gradients for x and s_inv given those for u (at fixed c) and for c;
     ``parts`` is ``focus(x, s_inv, p)``.
 
-    With G = grad_u - (grad_c c / t^2) u (u's total gradient at fixed r) and
-    S = sum(G u):  dL/dr = grad_c / t - p S / r  and
-    dL/da = p (G u / a + (dL/dr) a / (p r)).  ``grad_u`` and ``parts``' a are
+    With G = grad_u - (grad_c c / t^2) u (u's total gradient at fixed r,
+    through t) and S = sum(G u):
+    dL/da = p G u / a + (grad_c / t) a / r - [the max's entry] p S / max(a).
+    The last term is zero: everything downstream depends on u and c only
+    through phi = c u (queries: out = phi KV / (phi . km + eps), the eps
+    included; keys: KV and km are sums of kappa u = share * phi), and
+    phi = |a| u / |u| does not depend on the divisor of a, so
+    S = c sum(dL/dphi u) - grad_c c = 0 identically; it is not computed
+    (rounding noise times p otherwise). ``grad_u`` and ``parts``' a are
     overwritten.
     """
     a, r, u, t = parts
     c = r / t
     gu = grad_u.addcmul_(u, grad_c * c / (t * t), value=-1).mul_(u)  # G u, in place
-    grad_r = grad_c / t - p * gu.sum(-1, keepdim=True) / r
-    grad_a_p = gu.div_(a).addcmul_(a, grad_r / (p * r))  # dL/da / p
+    grad_a_p = gu.div_(a).addcmul_(a, grad_c / (t * r * p))  # dL/da / p
     grad_s_inv = a.mul_(grad_a_p).sum((0, 1)) * (p / s_inv)  # a is not needed any more
     grad_x = grad_a_p.mul_(p * s_inv)
     # relu's gradient, in place

@@ -1,0 +1,109 @@
+"""mmdet's and mmseg's backbone test patterns, for every family: frozen
+stages stay in eval mode and get no gradient, norm_eval, with_cp gives the
+same outputs and gradients, out_indices, init_cfg errors, odd input sizes."""
+import pytest
+import torch
+from torch import nn
+
+from backbone_checks import FAMILIES, small_backbone
+
+STRIDES = (4, 8, 16, 32)
+DIMS = dict(pvt=[16, 32, 48, 64], pvtv2=[16, 32, 48, 64], swin=[16, 32, 64, 128],
+            cswin=[16, 32, 64, 128])
+
+
+def frozen_modules(model, k):
+    modules = list(model.stem_modules())
+    for i in range(k):
+        modules += model.stage_modules(i)
+    return modules
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('frozen', [0, 2, 4])
+def test_frozen_stages_stay_eval_and_frozen(family, frozen):
+    m = small_backbone(family, frozen_stages=frozen, drop_path_rate=0.)
+    for _ in range(2):  # train() again does not unfreeze
+        m.train()
+        frozen_params = set()
+        for mod in frozen_modules(m, frozen):
+            params = [mod] if isinstance(mod, nn.Parameter) else list(mod.parameters())
+            frozen_params.update(id(p) for p in params)
+            if not isinstance(mod, nn.Parameter):
+                assert all(not sub.training for sub in mod.modules())
+        assert frozen_params or frozen == 0 and not m.stem_modules()
+        for name, p in m.named_parameters():
+            assert p.requires_grad == (id(p) not in frozen_params), name
+    if frozen < 4:
+        outs = m(torch.randn(1, 3, 40, 56))
+        sum(o.square().mean() for o in outs).backward()
+        for name, p in m.named_parameters():
+            assert (p.grad is None) == (id(p) in frozen_params), name
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_norm_eval(family):
+    m = small_backbone(family, norm_eval=True)
+    m.train()
+    norms = [mod for mod in m.modules() if isinstance(mod, nn.LayerNorm)]
+    assert norms and not any(n.training for n in norms)
+    assert m.training and all(mod.training for mod in m.modules()
+                              if isinstance(mod, (nn.Linear, nn.Conv2d)))
+    m.eval()
+    m.train()
+    assert not any(n.training for n in norms)
+    assert all(n.training for n in small_backbone(family).train().modules()
+               if isinstance(n, nn.LayerNorm))
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_with_cp_same_outputs_and_gradients(family):
+    a = small_backbone(family, drop_path_rate=0.)
+    b = small_backbone(family, drop_path_rate=0., with_cp=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 37, 45)
+    outs = []
+    for m in (a.train(), b.train()):
+        o = m(x)
+        sum(t.square().sum() for t in o).backward()
+        outs.append(o)
+    for oa, ob in zip(*outs, strict=True):
+        torch.testing.assert_close(oa, ob)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('out_indices', [(0,), (1,), (2,), (3,), (0, 2), (1, 2, 3), [0, 1, 2, 3]])
+def test_out_indices(family, out_indices):
+    m = small_backbone(family, out_indices=out_indices).eval()
+    with torch.no_grad():
+        outs = m(torch.randn(1, 3, 64, 64))
+    assert len(outs) == len(out_indices)
+    for o, i in zip(outs, out_indices):
+        assert tuple(o.shape) == (1, DIMS[family][i], 64 // STRIDES[i], 64 // STRIDES[i])
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('hw', [(31, 31), (1, 1), (33, 7), (67, 45)])
+def test_odd_sizes(family, hw):
+    m = small_backbone(family).eval()
+    with torch.no_grad():
+        outs = m(torch.randn(1, 3, *hw))
+    for o, s, c in zip(outs, STRIDES, DIMS[family], strict=True):
+        assert tuple(o.shape) == (1, c, -(-hw[0] // s), -(-hw[1] // s))
+        assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_init_cfg_errors(family):
+    with pytest.raises(ValueError, match="init_cfg of type 'Pretrained' needs a 'checkpoint'"):
+        small_backbone(family, init_cfg=dict(type='Pretrained'))
+    with pytest.raises(ValueError, match='init_cfg must be None, a dict or a list of dicts, '
+                                         'got 123'):
+        small_backbone(family, init_cfg=123)
+    with pytest.raises(FileNotFoundError, match='/no/such/flatten.pth'):
+        small_backbone(family, init_cfg=dict(type='Pretrained', checkpoint='/no/such/flatten.pth'))
+    # mmengine's initialisers on top of the release's initialisation
+    m = small_backbone(family, init_cfg=dict(type='Constant', layer='LayerNorm', val=2.0))
+    assert all(torch.all(mod.weight == 2) for mod in m.modules() if isinstance(mod, nn.LayerNorm))
