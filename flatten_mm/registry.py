@@ -74,12 +74,13 @@ def register_fx_leaves() -> None:
     from timm.layers import register_notrace_function, register_notrace_module
 
     from .models.attention import FocusedLinearAttention
-    from .models.resize import add_resized, resize_parts, resize_weights
+    from .models.resize import add_resized, cached_resize_parts, resize_parts, resize_weights
     from .models.backbones.flatten_cswin import ConvStem, CSwinBlock
     from .models.backbones.flatten_swin import PatchMerging, SwinBlock
     from .models.layers import PatchEmbed, SpatialReductionAttention, check_images
     for module in (PatchEmbed, FocusedLinearAttention, SpatialReductionAttention,
                    SwinBlock, PatchMerging, ConvStem, CSwinBlock):
         register_notrace_module(module)
-    for function in (resize_parts, resize_weights, add_resized, check_images):
+    for function in (cached_resize_parts, resize_parts, resize_weights, add_resized,
+                     check_images):
         register_notrace_function(function)

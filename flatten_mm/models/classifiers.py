@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ..checkpoint import load_checkpoint_file
 from ..conversion import checkpoint_filter_fn, pvt_convert
 from .utils import HWShape
-from .layers import stage_output
+from .layers import check_images, stage_output
 from .backbones.flatten_cswin import FLattenCSwin
 from .backbones.flatten_pvt import FLattenPVT, FLattenPVTv2
 from .backbones.flatten_swin import FLattenSwin
@@ -81,7 +81,7 @@ class ClassifierMixin:
 
     def forward_features(self, x: Tensor) -> Tensor:
         """Unpooled features of the last stage, in ``output_fmt``."""
-        for _, tokens, hw_shape in self.forward_stages(x):
+        for _, tokens, hw_shape in self.forward_stages(check_images(x)):
             pass
         return self.final_features(tokens, hw_shape)
 
@@ -103,7 +103,7 @@ class ClassifierMixin:
         taken = take_indices(self.num_stages, indices)
         last = max(taken) if stop_early or intermediates_only else self.num_stages - 1
         intermediates = []
-        for i, tokens, hw_shape in self.forward_stages(x, last):
+        for i, tokens, hw_shape in self.forward_stages(check_images(x), last):
             if i in taken:
                 final_norm = norm and i == self.num_stages - 1
                 intermediates.append(stage_output(self.norm(tokens) if final_norm else tokens,

@@ -114,9 +114,8 @@ def cached_resize_parts(module: nn.Module, key: tuple, tokens: Tensor, src: HWSh
     """:func:`resize_parts` of a parameter ``tokens`` (a positional encoding or
     embedding of ``module``) from ``src`` to ``dst``, cached in inference:
     the resize weights by size (``inference_cached``), the parts while the
-    parameter keeps its values (``param_cached``)."""
-    dst = tuple(dst)
-
+    parameter keeps its values (``param_cached``). ``dst`` stays as given: under
+    fx tracing it is a proxy (no cache then), which cannot be iterated."""
     def make():
         weights = inference_cached(module, ('resize weights', key, dst, tokens.dtype,
                                             tokens.device),

@@ -257,9 +257,8 @@ class FLattenBackbone(BaseModule):
     def forward_stages(self, x: Tensor, last: Optional[int] = None
                        ) -> Iterator[Tuple[int, Tensor, HWShape]]:
         """Yield (stage index, tokens (B, N, C), grid) of stages 0..``last``
-        (every stage by default) for images (B, C, H, W), which must be a
-        non-empty batch (:func:`~flatten_mm.models.layers.check_images`)."""
-        x, hw_shape = self.stem(check_images(x))
+        (every stage by default) for images (B, C, H, W)."""
+        x, hw_shape = self.stem(x)
         for stage in self.stages:
             x, hw_shape = stage(self, x, hw_shape)
             yield stage.index, x, hw_shape
@@ -281,7 +280,7 @@ class FLattenBackbone(BaseModule):
             (LayerNorm-ed for the Swin-like backbones).
         """
         return tuple(stage_output(self.output_tokens(i, tokens), hw_shape)
-                     for i, tokens, hw_shape in self.forward_stages(x)
+                     for i, tokens, hw_shape in self.forward_stages(check_images(x))
                      if i in self.out_indices)
 
     def prune_stages(self, num_stages: int) -> None:

@@ -72,7 +72,7 @@ class PyramidStage(Stage):
         if self.has_pos_embed:
             pos = getattr(backbone, f'pos_embed{n}')
             grid = backbone.pos_grids[self.index]
-            parts = cached_resize_parts(backbone, self.index, pos, grid, hw_shape)
+            parts = cached_resize_parts(self, self.index, pos, grid, hw_shape)
             x = backbone.pos_drop(add_resized(x, parts))
         x = self.run_blocks(backbone, getattr(backbone, f'block{n}'), x, hw_shape)
         if self.has_norm:

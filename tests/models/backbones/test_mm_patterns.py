@@ -15,7 +15,7 @@ DIMS = dict(pvt=[16, 32, 48, 64], pvtv2=[16, 32, 48, 64], swin=[16, 32, 64, 128]
 def frozen_modules(model, k):
     modules = list(model.stem_modules())
     for i in range(k):
-        modules += model.stage_modules(i)
+        modules += model.stages[i].parts(model)
     return modules
 
 
