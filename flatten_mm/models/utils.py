@@ -1,6 +1,7 @@
 """Small helpers every backbone and layer shares: argument checks, the token
 <-> map layouts, the stage-output layout and the inference cache."""
 import collections
+import operator
 from typing import Tuple
 
 import torch
@@ -23,6 +24,25 @@ def to_2tuple_checked(name: str, value) -> HWShape:
     if len(pair) != 2:
         raise ValueError(f'{name} must be an int or a pair of ints, got {value!r}')
     return (check_positive_int(name, pair[0]), check_positive_int(name, pair[1]))
+
+
+# Under torch.compile (not torch.export), the backbones specialise their graph
+# to the image height and width: a new size is traced anew with constant
+# sizes, as with dynamic=False, instead of automatic dynamic shapes turning
+# every size symbolic (traced several minutes for a small model, as every
+# stage's size nests the previous one's padding and window arithmetic; and it
+# crashed Inductor on CUDA at 800x1333). Set to False to try dynamic shapes.
+STATIC_IMAGE_SIZES = True
+
+
+def specialize_image_size(x: Tensor) -> Tensor:
+    """``x`` (B, C, H, W); while torch.compile traces it, H and W become
+    compile-time constants (guarded) when :data:`STATIC_IMAGE_SIZES` is set."""
+    if STATIC_IMAGE_SIZES and torch.compiler.is_compiling() \
+            and not torch.compiler.is_exporting():
+        # operator.index needs a Python int: dynamo specialises the symbol
+        operator.index(x.shape[-2]), operator.index(x.shape[-1])
+    return x
 
 
 def eval_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...] = ()):
