@@ -9,7 +9,8 @@ from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .utils import (HWShape, add_projections, check_heads, check_positive_int, inference_cached,
-                    map_to_tokens, pad_to_multiple, param_cached, spatial_reduce, tokens_to_map)
+                    map_to_tokens, pad_to_multiple, param_cached, spatial_reduce, specialize_image_size,
+                    tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 
 ATTN_TYPES = ('L', 'S')
@@ -40,14 +41,15 @@ def check_images(x: Tensor) -> Tensor:
     """``x`` if it is a non-empty batch of images (B, C, H, W), else a
     ValueError (an empty batch or image would fail deep inside, in a reshape
     or a convolution). The sizes are not checked while compiling/exporting
-    (symbolic sizes; the eager call checks them)."""
+    (symbolic sizes; the eager call checks them); under torch.compile they are
+    specialised (:func:`.utils.specialize_image_size`)."""
     if x.dim() != 4:
         raise ValueError(f'expected images (B, C, H, W), got shape {tuple(x.shape)}')
     if not torch.compiler.is_compiling() and (x.shape[0] < 1 or x.shape[2] < 1
                                               or x.shape[3] < 1):
         raise ValueError(f'expected a non-empty batch of images (B, C, H, W) with B >= 1, '
                          f'H >= 1 and W >= 1, got shape {tuple(x.shape)}')
-    return x
+    return specialize_image_size(x)
 
 
 def drop_path_rates(rate: float, num_blocks: int) -> list:
@@ -96,18 +98,41 @@ class DropPath(nn.Module):
     ``drop_path(x, residual)`` is ``residual + drop_path(x)`` in one pass
     (``addcmul`` with the per-sample scale) instead of three. The blocks pass
     their branch's own output as x: when no gradient is recorded it takes the
-    sum in place (no new buffer)."""
+    sum in place (no new buffer).
+
+    Under torch.compile the rate is read from the ``keep_prob`` buffer (not
+    saved in checkpoints), a tensor, instead of the Python float: the blocks'
+    code is then compiled once for all rates, where a float would be a
+    constant guarded per block (docs/design.md)."""
 
     def __init__(self, drop_prob: float = 0.):
         super().__init__()
+        self.register_buffer('keep_prob', torch.ones(()), persistent=False)
         self.drop_prob = drop_prob
 
+    @property
+    def drop_prob(self) -> float:
+        return self._drop_prob
+
+    @drop_prob.setter
+    def drop_prob(self, value: float) -> None:
+        self._drop_prob = float(value)
+        with torch.no_grad():
+            self.keep_prob.fill_(1 - self._drop_prob)
+
+    def _apply(self, fn, recurse=True):
+        # .to_empty() (meta-device initialisation) leaves the buffer unset
+        super()._apply(fn, recurse)
+        self.drop_prob = self._drop_prob
+        return self
+
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
-        if not self.training or self.drop_prob == 0.:
+        compiling = torch.compiler.is_compiling()
+        if not self.training or (not compiling and self.drop_prob == 0.):
             if residual is None:
                 return x
             return x.add_(residual) if not torch.is_grad_enabled() else residual + x
-        keep = 1 - self.drop_prob
+        keep = self.keep_prob.to(x.dtype) if compiling else 1 - self.drop_prob
         scale = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
         return x * scale if residual is None else torch.addcmul(residual, x, scale)
 

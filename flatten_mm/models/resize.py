@@ -2,8 +2,7 @@
 as small products with the resize weights: the same numbers as
 ``F.interpolate(mode='bilinear', align_corners=False)``, with a transposed
 product as backward instead of a slow scatter."""
-import functools
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -11,45 +10,32 @@ from torch import Tensor, nn
 from .utils import HWShape, inference_cached, param_cached
 
 
-@functools.lru_cache(maxsize=256)
-def linear_resize_taps(src: int, dst: int) -> Tuple[List[int], List[int], List[float]]:
-    """1-D linear resizing from ``src`` to ``dst`` samples as two taps per
-    output: ``out[i] = lerp(x[lo[i]], x[hi[i]], frac[i])``, with the source
-    positions of ``F.interpolate(..., mode='linear', align_corners=False)``
-    (pixel centres, clamped at the first sample).
-
-    Plain Python numbers, cached: tensors made once and cached would carry
-    the mode they were made in (an inference tensor breaks later training
-    steps; a fake tensor from torch.export's tracing ends up in the program).
-    """
-    lo, hi, frac = [], [], []
-    for i in range(dst):
-        pos = max((i + 0.5) * src / dst - 0.5, 0.0)
-        j = min(int(pos), src - 1)
-        lo.append(j)
-        hi.append(min(j + 1, src - 1))
-        frac.append(pos - j if j < src - 1 else 0.0)
-    return lo, hi, frac
-
-
-@functools.lru_cache(maxsize=256)
-def linear_resize_weights(src: int, dst: int) -> Tuple[float, ...]:
-    """The (dst, src) matrix of :func:`linear_resize_taps`, row-major: at
-    most two non-zero weights per row, ``1 - frac`` and ``frac``."""
-    lo, hi, frac = linear_resize_taps(src, dst)
-    weights = [0.0] * (dst * src)
-    for i, (a, b, f) in enumerate(zip(lo, hi, frac)):
-        weights[i * src + a] += 1.0 - f
-        weights[i * src + b] += f
-    return tuple(weights)
-
-
 def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
-    """(dst, src) linear-resize weights as a tensor of ``like``'s dtype and device."""
-    # dynamo traces through the cache anyway (and warns): call the plain function
-    weights = (linear_resize_weights.__wrapped__ if torch.compiler.is_compiling()
-               else linear_resize_weights)
-    return torch.tensor(weights(src, dst), dtype=like.dtype, device=like.device).view(dst, src)
+    """(dst, src) weights of 1-D linear resizing from ``src`` to ``dst``
+    samples, in ``like``'s dtype and on its device: as
+    ``F.interpolate(..., mode='linear', align_corners=False)``, output i reads
+    the source position ``pos = max((i + 0.5) * src / dst - 0.5, 0)`` (pixel
+    centres) from its samples ``lo = floor(pos)`` and ``lo + 1`` (clamped at
+    the last one) with weights ``1 - frac`` and ``frac``.
+
+    Tensor ops on integers (``pos = n / (2 dst)`` with
+    ``n = max((2i + 1) src - dst, 0)``), exact up to the one rounding of the
+    weights: no Python loop, no tensor from a Python list and no cache, so
+    torch.compile traces it on every device and with symbolic sizes (a
+    tensor built from a list was a graph break on non-CPU devices, and a
+    crash once sizes became symbolic; docs/design.md)."""
+    d = 2 * dst
+    n = ((2 * torch.arange(dst, device=like.device) + 1) * src - dst).clamp(min=0)
+    lo = torch.div(n, d, rounding_mode='floor')
+    inside = lo < src - 1  # else pos is at or past the last sample: weight 1 there
+    lo = lo.clamp(max=src - 1)
+    hi = (lo + 1).clamp(max=src - 1)
+    # fp32 (or fp64) arithmetic holds the integers exactly, half may not
+    num = torch.where(inside, n - lo * d, 0).to(torch.promote_types(like.dtype, torch.float32))
+    frac = (num / d).to(like.dtype)[:, None]
+    rest = ((d - num) / d).to(like.dtype)[:, None]
+    cols = torch.arange(src, device=like.device)
+    return (cols == lo[:, None]) * rest + (cols == hi[:, None]) * frac
 
 
 def resize_weights(src: HWShape, dst: HWShape, like: Tensor

@@ -3,6 +3,7 @@
 import collections
 import math
 import numbers
+import operator
 from typing import Tuple
 
 import torch
@@ -50,6 +51,25 @@ def to_2tuple_checked(name: str, value, minimum: int = 1) -> HWShape:
     if pair is None or len(pair) != 2:
         raise ValueError(f'{name} must be an int or a pair of ints, got {value!r}')
     return (check_positive_int(name, pair[0], minimum), check_positive_int(name, pair[1], minimum))
+
+
+# Under torch.compile (not torch.export), the backbones specialise their graph
+# to the image height and width: a new size is traced anew with constant
+# sizes, as with dynamic=False, instead of automatic dynamic shapes turning
+# every size symbolic (traced several minutes for a small model, as every
+# stage's size nests the previous one's padding and window arithmetic; and it
+# crashed Inductor on CUDA at 800x1333). Set to False to try dynamic shapes.
+STATIC_IMAGE_SIZES = True
+
+
+def specialize_image_size(x: Tensor) -> Tensor:
+    """``x`` (B, C, H, W); while torch.compile traces it, H and W become
+    compile-time constants (guarded) when :data:`STATIC_IMAGE_SIZES` is set."""
+    if STATIC_IMAGE_SIZES and torch.compiler.is_compiling() \
+            and not torch.compiler.is_exporting():
+        # operator.index needs a Python int: dynamo specialises the symbol
+        operator.index(x.shape[-2]), operator.index(x.shape[-1])
+    return x
 
 
 def _inference_cache(module: nn.Module):

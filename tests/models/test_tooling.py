@@ -110,6 +110,72 @@ def test_compiled_training_step_equals_eager(kind, backend):
     assert_grads_close(got_grads, want_grads, 1e-4)
 
 
+def recording_backend(graphs, aot=True):
+    """aot_eager (or dynamo alone: 'eager') that records the example inputs
+    of each graph it compiles."""
+    from torch._dynamo.backends.registry import lookup_backend
+    compile_graph = lookup_backend('aot_eager' if aot else 'eager')
+
+    def backend(gm, example_inputs):
+        graphs.append(example_inputs)
+        return compile_graph(gm, example_inputs)
+    return backend
+
+
+def test_compiled_second_size_is_one_static_recompile():
+    """Default settings (dynamic=None): a second input size recompiles once,
+    specialised to its size (no symbolic shapes: tracing them took minutes and
+    crashed Inductor on CUDA), and trains as eager does."""
+    model = backbone('swin').train()
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=recording_backend(graphs))
+    for size in ((64, 96), (72, 80), (64, 96)):
+        x = torch.randn(2, 3, *size)
+        want, want_grads = loss_and_grads(model, x)
+        got, got_grads = loss_and_grads(compiled, x)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert_grads_close(got_grads, want_grads, 1e-4)
+    assert len(graphs) == 2  # one per size, the first size's reused
+    for inputs in graphs:
+        assert not any(isinstance(i, torch.SymInt) or isinstance(i, torch.Tensor) and any(
+            isinstance(d, torch.SymInt) for d in i.shape) for i in inputs)
+
+
+def test_drop_path_rates_do_not_recompile_blocks(monkeypatch):
+    """With a graph break inside every attention layer (as once on CUDA), each
+    block's remainder is compiled on its own: blocks with different drop-path
+    rates must share that code (no guard on the rate), i.e. compile as many
+    graphs as blocks that all have the same rate, and Swin's shift adds at
+    most one variant."""
+    from flatten_mm.models.attention import FocusedLinearAttention
+    from flatten_mm.models.backbones.flatten_swin import SwinBlock
+    project = FocusedLinearAttention.project_qkv
+
+    def project_with_break(self, *args):
+        torch._dynamo.graph_break()
+        return project(self, *args)
+    monkeypatch.setattr(FocusedLinearAttention, 'project_qkv', project_with_break)
+
+    class Blocks(torch.nn.Sequential):
+        def forward(self, x):
+            for block in self:
+                x = block(x, (8, 8))
+            return x
+    counts = []
+    for rates in ([0.05 * i for i in range(8)], [0.2] * 8):
+        blocks = Blocks(*[SwinBlock(16, 2, 'L', (4, 4), i % 2 == 1, (4, 4), 3, 5, drop_path=r)
+                          for i, r in enumerate(rates)]).train()
+        torch._dynamo.reset()
+        graphs = []
+        compiled = torch.compile(blocks, backend=recording_backend(graphs, aot=False))
+        compiled(torch.randn(2, 64, 16, requires_grad=True)).sum().backward()
+        counts.append(len(graphs))
+    # a few parts per block (split at the breaks), each shifted or not: not 8 x parts
+    assert counts[0] == counts[1] <= 12, counts
+
+
 @pytest.mark.parametrize('kind', sorted(BACKBONES))
 def test_torch_export_equals_eager(kind):
     """The exported program gives eager's outputs up to float rounding (its

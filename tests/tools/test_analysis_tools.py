@@ -121,6 +121,24 @@ def test_benchmark_backbone_paired_steps(tmp_path, capsys):
     assert 'CPU-time x baseline' in out and 'MiB faulted per step' in out
 
 
+def test_benchmarks_compile_before_timing():
+    """--compile [BACKEND]: the layer's paths and the backbones run compiled
+    (compiled at the warm-up steps, which --compile therefore needs)."""
+    attention = load_tool('benchmark_attention')
+    (row,) = attention.main(['--cases', '12x16x32x2', '--repeats', '1', '--mode', 'fwd',
+                             '--compile', 'aot_eager'])
+    assert row['compiled'] == 'aot_eager' and row['fast_rel_error'] < 1e-5
+    backbone = load_tool('benchmark_backbone')
+    torch._dynamo.reset()
+    case = backbone.Case(dict(model='flatten-pvt-t', size=[32, 32], mode='fwd', dtype='fp32',
+                              device='cpu', compile='aot_eager'))
+    assert isinstance(case.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert case.step().wall_s > 0
+    for tool in (attention, backbone):
+        with pytest.raises(SystemExit):
+            tool.main(['--compile', '--warmup', '0'])
+
+
 def test_get_flops_of_flatten_cswin_tiny_and_its_softmax_form():
     """FLatten-CSwin-T at 224: the release's parameter count; FLOPs 4.34 G
     (the paper gives 4.3 G), a little below CSWin's stripes in every stage."""

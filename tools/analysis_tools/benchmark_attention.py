@@ -121,6 +121,8 @@ def run_case(H, W, C, heads, args, device, dtype):
              'fast-conv2d': lambda: fast_conv2d_forward(module, x, (H, W)),
              'projections': lambda: projections_forward(module, x, (H, W))}
     paths = {name: every[name] for name in args.variants}
+    if args.compile:  # compiled at the first (warm-up) step
+        paths = {name: torch.compile(fn, backend=args.compile) for name, fn in paths.items()}
 
     def step(fn):
         if args.mode == 'fwd':
@@ -140,7 +142,7 @@ def run_case(H, W, C, heads, args, device, dtype):
                 times[name].append(time.perf_counter() - t0)
     row = dict(case=f'{H}x{W}x{C}x{heads}', batch=args.batch, mode=args.mode,
                dtype=str(dtype).split('.')[-1], device=str(device),
-               threads=torch.get_num_threads())
+               threads=torch.get_num_threads(), compiled=args.compile)
     with torch.no_grad():
         ref = every['reference']()
         for name in paths:
@@ -171,8 +173,12 @@ def main(argv=None):
     parser.add_argument('--sr-ratio', type=int, default=1)
     parser.add_argument('--pos-grid', type=int, default=56,
                         help='grid of the positional encoding (resized to each case)')
-    parser.add_argument('--warmup', type=int, default=1)
+    parser.add_argument('--warmup', type=int, default=1,
+                        help='untimed steps first (with --compile: the compilation)')
     parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--compile', nargs='?', const='inductor', metavar='BACKEND',
+                        help='torch.compile every path (the reference too) before timing, with '
+                        'BACKEND (default: inductor)')
     parser.add_argument('--variants', nargs='+', choices=VARIANTS, default=['fast', 'reference'],
                         help='paths to time; the reference always runs. autograd: the same '
                         'formula left to autograd; fast-conv2d: the DWC through F.conv2d; '
@@ -180,6 +186,8 @@ def main(argv=None):
     parser.add_argument('--out', help='write the rows as JSON here')
     args = parser.parse_args(argv)
     args.variants = list(dict.fromkeys(['reference'] + args.variants))
+    if args.compile and args.warmup < 1:
+        parser.error('--compile needs --warmup >= 1 (the first step compiles)')
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -34,6 +34,9 @@ whose linear attention runs the plain reference code (official op order), and
 ``NAME@rev`` for a flatten model built from another checkout of flatten_mm
 (``--rev-dir``, e.g. a ``git worktree`` of an older commit), to time two
 versions of the code side by side.
+``--compile [BACKEND]`` runs every model through ``torch.compile`` (default
+settings, Inductor unless BACKEND is given); the ``--warmup`` steps compile
+(at least one is needed).
 Writes ``results.json``, ``results.csv`` and ``results.png`` to ``--out-dir``.
 """
 import argparse
@@ -151,6 +154,8 @@ class Case:
         torch.manual_seed(0)
         self.model = build_model(spec['model']).to(self.device)
         self.model.train(spec['mode'] == 'fwdbwd')
+        if spec.get('compile'):  # compiled at the first (warm-up) step
+            self.model = torch.compile(self.model, backend=spec['compile'])
         self.x = torch.randn(spec.get('batch', 1), 3, *spec['size'], device=self.device)
         self.autocast = torch.autocast(self.device.type, dtype=dtype,
                                        enabled=dtype != torch.float32)
@@ -315,7 +320,8 @@ def summarise(results):
                                         batch=r.get('batch', 1), mode=r['mode'],
                                         dtype=r['dtype'], device=r['device'], status='ok',
                                         times_ms=[], cpu_ms=[], faulted_MiB=[],
-                                        paired=r.get('paired', False)))
+                                        paired=r.get('paired', False),
+                                        compiled=r.get('compile')))
         if r['status'] != 'ok':
             row['status'] = r['status']
             continue
@@ -360,7 +366,8 @@ def fmt(v, spec='.0f'):
 def write_outputs(rows, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / 'results.json').write_text(json.dumps(rows, indent=1))
-    fields = ['model', 'baseline', 'size', 'pixels', 'batch', 'mode', 'dtype', 'device', 'status',
+    fields = ['model', 'baseline', 'size', 'pixels', 'batch', 'mode', 'dtype', 'device',
+              'compiled', 'status',
               'median_ms', 'time_ratio', 'ratio_range', 'cpu_median_ms', 'cpu_ratio',
               'cpu_ratio_range', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
               'rss_growth_MiB', 'faulted_median_MiB']
@@ -450,7 +457,11 @@ def main(argv=None):
     parser.add_argument('--threads', type=int, default=None, help='CPU threads per case')
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--iters', type=int, default=2, help='timed steps per subprocess')
-    parser.add_argument('--warmup', type=int, default=1)
+    parser.add_argument('--warmup', type=int, default=1,
+                        help='untimed steps per subprocess (with --compile: the compilation)')
+    parser.add_argument('--compile', nargs='?', const='inductor', metavar='BACKEND',
+                        help='torch.compile every model before timing (default settings; BACKEND: '
+                        'inductor unless given)')
     parser.add_argument('--timeout', type=float, default=900, help='seconds per subprocess')
     parser.add_argument('--mem-limit-gb', type=float, default=None,
                         help='CPU: address-space limit per case (default: 80%% of RAM)')
@@ -481,8 +492,11 @@ def main(argv=None):
     if args.mem_limit_gb is None and args.device == 'cpu':
         args.mem_limit_gb = 0.8 * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30
     results, failed = [], set()
+    if args.compile and args.warmup < 1:
+        parser.error('--compile needs --warmup >= 1 (the first step compiles)')
     common = dict(device=args.device, batch=args.batch, threads=args.threads,
-                  warmup=args.warmup, rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
+                  warmup=args.warmup, compile=args.compile,
+                  rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
     for size in args.sizes:
         for mode in args.modes:
             for dtype in args.dtypes:
