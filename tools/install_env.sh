@@ -221,11 +221,13 @@ else:
 PYEOF
 }
 
-if [ "${1:-}" = --check ]; then  # only check an existing .venv: its pins and mmcv's ops
+# Only check an existing .venv: its pins, then (if they hold) that mmcv's ops run
+if [ "${1:-}" = --check ]; then
   [ -x "$VENV/bin/python" ] || { log "ERROR: no $VENV; run make install"; exit 1; }
-  report_pins && log "every pinned package has its pinned version"
-  check_ops
-  exit
+  report_pins || exit 1
+  log "every pinned package has its pinned version"
+  check_ops || { log "ERROR: mmcv's ops do not run"; exit 1; }
+  exit 0
 fi
 
 # What an install would do about mmcv, and why; installs nothing. FLATTEN_MM_TORCH_CUDA
