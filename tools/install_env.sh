@@ -109,7 +109,8 @@ plan_mmcv() {
   local torch_cuda=$1 arch toolkit="the CUDA toolkit $1 (torch's CUDA)"
   [ "$torch_cuda" = unknown ] && toolkit="the CUDA toolkit of torch's CUDA version"
   MMCV_CUDA=0 MMCV_ARCH='' MMCV_FIX='' NVCC='' NVCC_VERSION='' GPU_CAPS=''
-  BUILD_JOBS=${MAX_JOBS:-$(nproc)}
+  # the CPUs this process may use (nproc would also heed OMP_NUM_THREADS)
+  BUILD_JOBS=${MAX_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
   if [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ]; then
     NVCC=$CUDA_HOME/bin/nvcc
   else
@@ -174,8 +175,16 @@ decide() {
   plan_mmcv "$TORCH_CUDA"
   WHEEL_DIR=$CACHE/wheels/mmcv-$MMCV_VERSION-torch$TORCH_BUILT-$PYTAG
   if [ "$MMCV_CUDA" = 1 ]; then
-    local tag=${MMCV_LABEL#with CUDA ops for }
-    WHEEL_DIR=$CACHE/wheels/mmcv-$MMCV_VERSION-torch$TORCH_BUILT-cuda$TORCH_CUDA-nvcc$NVCC_VERSION-${tag//, /_}-$PYTAG
+    local tag=${MMCV_LABEL#with CUDA ops for } cuda=${TORCH_CUDA/unknown/$NVCC_VERSION}
+    WHEEL_DIR=$CACHE/wheels/mmcv-$MMCV_VERSION-torch$TORCH_BUILT-cuda$cuda-nvcc$NVCC_VERSION-${tag//, /_}-$PYTAG
+  fi
+}
+
+# Says when a GPU is here but mmcv gets CPU ops only for want of something installable
+warn_no_cuda_ops() {
+  if [ -n "$GPU_CAPS" ] && [ "$MMCV_CUDA" = 0 ] && [ -n "$MMCV_FIX" ]; then
+    log "WARNING: a GPU is here but mmcv gets no CUDA ops (RoIAlign, NMS on GPU tensors" \
+      "fail); for them install $MMCV_FIX, then run make install again"
   fi
 }
 
@@ -246,9 +255,12 @@ if [ "${1:-}" = --plan ]; then
   else
     log "build: MMCV_WITH_OPS=1 FORCE_CUDA=0 CUDA_VISIBLE_DEVICES= MAX_JOBS=$BUILD_JOBS"
   fi
-  log "wheel cache: $WHEEL_DIR"
-  [ -n "$GPU_CAPS" ] && [ "$MMCV_CUDA" = 0 ] && [ -n "$MMCV_FIX" ] &&
-    log "WARNING: a GPU is here but mmcv gets no CUDA ops; for them install $MMCV_FIX"
+  if [ "$TORCH_KNOWN" = 1 ]; then
+    log "wheel cache: $WHEEL_DIR"
+  else  # named after the torch installed, whose version may carry a tag (+cu130)
+    log "wheel cache: $WHEEL_DIR (torch's version as installed, with its tag if any)"
+  fi
+  warn_no_cuda_ops
   exit 0
 fi
 
@@ -295,10 +307,7 @@ $PIP install -q wheel ninja "numpy==$NUMPY_VERSION" \
 # mmcv came from, so a change of plan (a toolkit or GPU added) installs another.
 decide
 log "mmcv $MMCV_VERSION $MMCV_LABEL: $MMCV_WHY"
-if [ -n "$GPU_CAPS" ] && [ "$MMCV_CUDA" = 0 ] && [ -n "$MMCV_FIX" ]; then
-  log "WARNING: a GPU is here but mmcv gets no CUDA ops (RoIAlign, NMS on GPU tensors" \
-    "will fail); for them install $MMCV_FIX, then run make install again"
-fi
+warn_no_cuda_ops
 if [ "$(cat "$MMCV_STAMP" 2>/dev/null)" != "$WHEEL_DIR" ] ||
   ! "$VENV/bin/python" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '$MMCV_VERSION'" 2>/dev/null; then
   if ! ls "$WHEEL_DIR"/mmcv-*.whl >/dev/null 2>&1; then
@@ -378,5 +387,6 @@ log "flatten_mm (editable, setup.py develop)"
 
 "$VENV/bin/python" -c "import mmcv.ops, mmdet, mmseg, mmpretrain, timm, mim, flatten_mm; print('[install] ok: mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'mmpretrain', mmpretrain.__version__, 'timm', timm.__version__)"
 check_ops || { log "ERROR: mmcv's ops do not run"; exit 1; }
+warn_no_cuda_ops  # again: the first one has scrolled away
 report_pins || exit 1
 want > "$STAMP"
