@@ -321,7 +321,7 @@ if [ "$(cat "$MMCV_STAMP" 2>/dev/null)" != "$WHEEL_DIR" ] ||
     # hides the GPUs (a GPU without a matching nvcc would fail the build)
     OPS=$SRC/mmcv/ops/csrc/pytorch
     if [ "$MMCV_CUDA" = 1 ]; then
-      total=$(ls "$OPS"/*.cpp "$OPS"/cpu/*.cpp "$OPS"/cuda/*.cu "$OPS"/cuda/*.cpp | wc -l)
+      total=$( (ls "$OPS"/*.cpp "$OPS"/cpu/*.cpp "$OPS"/cuda/*.cu "$OPS"/cuda/*.cpp 2>/dev/null || true) | wc -l)
       # the toolkit of the nvcc chosen, so that torch's builder uses the same one
       # (nvcc names its root itself: $NVCC may be a wrapper, as /usr/local/bin/nvcc is)
       cuda_home=${CUDA_HOME:-$("$NVCC" --dryrun -c -x cu /dev/null -o /dev/null 2>&1 |
@@ -331,7 +331,7 @@ if [ "$(cat "$MMCV_STAMP" 2>/dev/null)" != "$WHEEL_DIR" ] ||
       log "building mmcv $MMCV_VERSION $MMCV_LABEL, $BUILD_JOBS jobs (time not yet" \
         "measured with CUDA ops; CPU ops alone take about 20 minutes on 2 cores)"
     else
-      total=$(ls "$OPS"/*.cpp "$OPS"/cpu/*.cpp | wc -l)
+      total=$( (ls "$OPS"/*.cpp "$OPS"/cpu/*.cpp 2>/dev/null || true) | wc -l)
       build_env=(FORCE_CUDA=0 CUDA_VISIBLE_DEVICES=)
       log "building mmcv $MMCV_VERSION $MMCV_LABEL, $BUILD_JOBS jobs (about 20 minutes on 2 cores)"
     fi
