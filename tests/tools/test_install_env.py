@@ -180,3 +180,13 @@ def test_plan_cuda_ops_switched_off(tmp_path):
     assert 'with CPU ops only: FLATTEN_MM_CUDA_OPS=0' in out
     assert 'WARNING' not in out
     assert CPU_WHEELS.fullmatch(wheels), wheels
+
+
+def test_check_without_a_venv_fails(tmp_path):
+    """--check of a checkout with no .venv says so instead of passing."""
+    (tmp_path / 'tools').mkdir()
+    shutil.copy(SCRIPT, tmp_path / 'tools')
+    proc = subprocess.run(['bash', str(tmp_path / 'tools' / 'install_env.sh'), '--check'],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"ERROR: no {tmp_path / '.venv'}; run make install" in proc.stdout
