@@ -117,7 +117,8 @@ plan_mmcv() {
     NVCC=$(command -v nvcc || true)
   fi
   if [ -n "$NVCC" ]; then
-    NVCC_VERSION=$("$NVCC" --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9.]*\),.*/\1/p' | head -n 1)
+    NVCC_VERSION=$("$NVCC" --version 2>/dev/null |
+      sed -n 's/.*release \([0-9][0-9.]*\),.*/\1/p' | head -n 1)
   fi
   if command -v nvidia-smi >/dev/null; then  # one line per GPU, e.g. "9.0"
     GPU_CAPS=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
@@ -132,7 +133,8 @@ plan_mmcv() {
     MMCV_WHY="no CUDA toolkit: no nvcc in \$CUDA_HOME/bin or on PATH"
     MMCV_FIX="$toolkit, with nvcc on PATH or CUDA_HOME set"
   elif [ "$torch_cuda" != unknown ] && [ "${NVCC_VERSION%%.*}" != "${torch_cuda%%.*}" ]; then
-    MMCV_WHY="nvcc is CUDA $NVCC_VERSION, torch is built for CUDA $torch_cuda (the major versions must match)"
+    MMCV_WHY="nvcc is CUDA $NVCC_VERSION, torch is built for CUDA $torch_cuda"
+    MMCV_WHY+=" (the major versions must match)"
     MMCV_FIX="$toolkit, first on PATH or as CUDA_HOME"
   elif [ -n "${TORCH_CUDA_ARCH_LIST:-}" ]; then
     MMCV_CUDA=1 MMCV_ARCH=$TORCH_CUDA_ARCH_LIST
@@ -321,7 +323,8 @@ if [ "$(cat "$MMCV_STAMP" 2>/dev/null)" != "$WHEEL_DIR" ] ||
     # hides the GPUs (a GPU without a matching nvcc would fail the build)
     OPS=$SRC/mmcv/ops/csrc/pytorch
     if [ "$MMCV_CUDA" = 1 ]; then
-      total=$( (ls "$OPS"/*.cpp "$OPS"/cpu/*.cpp "$OPS"/cuda/*.cu "$OPS"/cuda/*.cpp 2>/dev/null || true) | wc -l)
+      total=$( (ls "$OPS"/*.cpp "$OPS"/cpu/*.cpp "$OPS"/cuda/*.cu "$OPS"/cuda/*.cpp 2>/dev/null ||
+        true) | wc -l)
       # the toolkit of the nvcc chosen, so that torch's builder uses the same one
       # (nvcc names its root itself: $NVCC may be a wrapper, as /usr/local/bin/nvcc is)
       cuda_home=${CUDA_HOME:-$("$NVCC" --dryrun -c -x cu /dev/null -o /dev/null 2>&1 |
@@ -347,7 +350,8 @@ if [ "$(cat "$MMCV_STAMP" 2>/dev/null)" != "$WHEEL_DIR" ] ||
     done
     if ! wait $pid; then
       tail -n 40 "$BUILD/build.log"
-      log "mmcv build failed; full log: $BUILD/build.log (docs/get_started.md, GPU section, lists known causes)"
+      log "mmcv build failed; full log: $BUILD/build.log (known causes: docs/get_started.md," \
+        "On a machine with GPUs)"
       exit 1
     fi
     mv "$WHEEL_DIR.tmp"/mmcv-*.whl "$WHEEL_DIR"/ && rmdir "$WHEEL_DIR.tmp"
