@@ -59,6 +59,7 @@ Head widths up to :data:`MAX_HEAD_DIM`, padded to a power of two >= 16 for
 """
 import importlib.util
 import os
+import warnings
 from types import ModuleType
 from typing import Any, Optional, Tuple
 
@@ -227,8 +228,31 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
     check_runnable(q)
     with torch.autocast(device_type=q.device.type, enabled=False):
         s_inv = 1.0 / F.softplus(scale.float()).reshape(-1)
-    return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
-                                                 int(num_heads), key_mask)[0]
+    try:
+        out = torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
+                                                    int(num_heads), key_mask)[0]
+    except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
+        if not _fall_back_on_first_failure(err):
+            raise
+        return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
+    _KERNELS['ran'] = True
+    return out
+
+
+def _fall_back_on_first_failure(err: Exception) -> bool:
+    """Under ``'auto'``, in eager mode, when the kernels fail on their first
+    call (a Triton or driver that cannot build them): warn once, leave this
+    backend for the torch backend in this process, and return True. A forced
+    ``'triton'``, a failure after a successful call or one inside a compiled
+    graph is the caller's error (False)."""
+    if get_backend() != 'auto' or _KERNELS.get('ran') or torch.compiler.is_compiling():
+        return False
+    _KERNELS['importable'] = False  # supports() answers False from now on
+    warnings.warn(f"the 'triton' attention backend failed on its first call ({err!r}); "
+                  "this process uses the 'torch' backend instead (set "
+                  "FLATTEN_MM_ATTN_BACKEND=torch to choose it and silence this)",
+                  RuntimeWarning, stacklevel=3)
+    return True
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> bool:

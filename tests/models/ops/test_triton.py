@@ -141,6 +141,30 @@ def test_clear_errors(monkeypatch):
             focused_linear_attention(q, k, v, scale, 3.0, 2)
 
 
+def test_auto_falls_back_when_the_first_call_fails(monkeypatch):
+    """Under 'auto' a kernel that cannot run (a Triton that cannot build it)
+    leaves the backend for the torch one with a warning, on the first call only;
+    a forced 'triton' raises."""
+    q, k, v, scale, _, _ = inputs(1, 5, 5, 8, torch.float32, device='cpu')
+    want = focused_linear_attention(q, k, v, scale, 3.0, 2)  # 'auto' on CPU: torch
+
+    def broken(*args):
+        raise RuntimeError('cannot build the kernel')
+    monkeypatch.setattr(tb.kernels(), 'forward', broken)
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    monkeypatch.delitem(tb._KERNELS, 'ran', raising=False)
+    with use_backend('triton'), pytest.raises(RuntimeError, match='cannot build'):
+        focused_linear_attention(q, k, v, scale, 3.0, 2)
+    with pytest.warns(RuntimeWarning, match="first call .*cannot build.*'torch' backend"):
+        got = tb.triton_backend(q, k, v, scale, 3.0, 2)  # as 'auto' would call it
+    torch.testing.assert_close(got, want)
+    assert tb._KERNELS['importable'] is False  # 'auto' no longer picks it
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    monkeypatch.setitem(tb._KERNELS, 'ran', True)  # after a successful call: the error
+    with pytest.raises(RuntimeError, match='cannot build'):
+        tb.triton_backend(q, k, v, scale, 3.0, 2)
+
+
 def op_args(masked):
     q, k, v, scale, mask, _ = inputs(2, 9, 5, 16, torch.float32, masked)
     s_inv = (1.0 / F.softplus(scale)).reshape(-1)
