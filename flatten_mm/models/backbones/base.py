@@ -2,8 +2,6 @@
 conversion on load, pretrained loading, stage freezing, norm_eval, gradient
 checkpointing and the default initialisation."""
 import math
-import numbers
-import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch.utils.checkpoint as cp
@@ -13,8 +11,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...checkpoint import load_pretrained
 from ...conversion import convert_on_load
-from ..utils import HWShape, check_heads, check_number, check_positive_int, to_2tuple_checked
-from ..layers import check_attn_type, check_images, check_stage_list, stage_output
+from ..utils import HWShape, check_positive_int
+from ..layers import check_images, stage_output
+from .checks import check_backbone_args, check_init_cfg, check_out_indices, check_stages
 
 StageOutput = Tuple[Tensor, Optional[HWShape]]
 
@@ -78,95 +77,6 @@ def delete_part(module: nn.Module, name: str) -> None:
     owner = find_part(module, parent) if parent else module
     if owner is not None and hasattr(owner, last):
         delattr(owner, last)
-# the last stage's stride: the pretraining grid of every stage needs a token
-PRETRAIN_MIN_SIZE = 32
-
-
-def check_stages(attn_type: str, embed_dims, depths, num_heads, mlp_ratios=None,
-                 num_stages: int = 4, **int_lists) -> dict:
-    """The per-stage arguments every family takes, validated: ``attn_type``
-    (one L/S letter per stage), ``embed_dims``, ``depths``, ``num_heads`` and
-    any ``int_lists`` (sr_ratios, split_size) as positive ints per stage,
-    each stage's dims divisible by its heads, ``mlp_ratios`` (one number, or
-    one per stage) giving every MLP a hidden layer. Returns them as lists
-    (``mlp_ratios`` per stage), keyed by name."""
-    out = dict(attn_type=check_attn_type(attn_type, num_stages))
-    for name, values in dict(embed_dims=embed_dims, depths=depths, num_heads=num_heads,
-                             **int_lists).items():
-        out[name] = check_stage_list(name, values, num_stages, positive_ints=True)
-    for i, (dims, heads) in enumerate(zip(out['embed_dims'], out['num_heads'])):
-        check_heads(dims, heads, f' at stage {i + 1} (embed_dims {out["embed_dims"]}, '
-                                 f'num_heads {out["num_heads"]})')
-    if mlp_ratios is not None:
-        name = 'mlp_ratios' if isinstance(mlp_ratios, (list, tuple)) else 'mlp_ratio'
-        ratios = check_stage_list(name, mlp_ratios, num_stages) if name == 'mlp_ratios' \
-            else [mlp_ratios] * num_stages
-        for dims, r in zip(out['embed_dims'], ratios):
-            check_number(name, r, low_open=True)
-            if int(dims * r) < 1:
-                raise ValueError(f'{name} must give every MLP a hidden layer: int(embed_dims '
-                                 f'* ratio) is 0 for embed_dims {dims}, got {mlp_ratios!r}')
-        out['mlp_ratios'] = ratios
-    return out
-
-
-def check_backbone_args(attn_type: str, in_channels: int, pretrain_img_size,
-                        focusing_factor: float, kernel_size: int, drop_rate: float,
-                        attn_drop_rate: float, drop_path_rate: float) -> HWShape:
-    """The scalar arguments every family takes, validated; returns
-    ``pretrain_img_size`` as (h, w).
-
-    ``attn_drop_rate`` drops softmax attention weights, which only ``S``
-    stages form: with no ``S`` stage a non-zero rate is an error, and with
-    some ``L`` stages a UserWarning says that they do not use it."""
-    check_positive_int('in_channels', in_channels)
-    img = to_2tuple_checked('pretrain_img_size', pretrain_img_size, PRETRAIN_MIN_SIZE)
-    check_number('focusing_factor', focusing_factor, low_open=True)
-    check_positive_int('kernel_size', kernel_size)
-    if kernel_size % 2 == 0:
-        raise ValueError(f'kernel_size must be odd (the DWC keeps the grid size), '
-                         f'got {kernel_size}')
-    for name, rate in (('drop_rate', drop_rate), ('attn_drop_rate', attn_drop_rate),
-                       ('drop_path_rate', drop_path_rate)):
-        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or \
-                not 0 <= rate < 1:
-            raise ValueError(f'{name} must be a number in [0, 1), got {rate!r}')
-    if attn_drop_rate and 'S' not in attn_type:
-        raise ValueError(f'attn_drop_rate must be 0 without softmax (S) stages: linear '
-                         f'attention forms no attention matrix to drop from '
-                         f'(attn_type={attn_type!r}), got {attn_drop_rate}')
-    if attn_drop_rate and 'L' in attn_type:
-        warnings.warn(f'attn_drop_rate={attn_drop_rate} applies to the softmax (S) stages '
-                      f'only; the focused linear (L) stages of attn_type={attn_type!r} form '
-                      'no attention matrix and do not use it', UserWarning, stacklevel=3)
-    return img
-
-
-def check_out_indices(out_indices, num_stages: int = 4) -> Tuple[int, ...]:
-    """``out_indices`` as a tuple: a non-empty sequence of distinct stage
-    indices in increasing order (the order of the returned maps)."""
-    values = tuple(out_indices) if isinstance(out_indices, (list, tuple)) else None
-    if not values or any(isinstance(i, bool) or not isinstance(i, int)
-                         or not 0 <= i < num_stages for i in values) \
-            or list(values) != sorted(set(values)):
-        raise ValueError(f'out_indices must be stage indices in 0..{num_stages - 1}, distinct '
-                         f'and increasing, as a tuple or list (e.g. (0, 1, 2, 3) or (2,)), '
-                         f'got {out_indices!r}')
-    return values
-
-
-def check_init_cfg(init_cfg) -> None:
-    """None, a dict or a list of dicts (mmengine's forms); a ``Pretrained``
-    one names its checkpoint (else the error would come at init_weights)."""
-    cfgs = init_cfg if isinstance(init_cfg, list) else [init_cfg]
-    if init_cfg is not None and not all(isinstance(c, dict) for c in cfgs):
-        raise ValueError(f'init_cfg must be None, a dict or a list of dicts, got {init_cfg!r}')
-    for cfg in cfgs:
-        if cfg is not None and cfg.get('type') == 'Pretrained' and not cfg.get('checkpoint'):
-            raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path, "
-                             f'got {cfg!r}')
-
-
 class FLattenBackbone(BaseModule):
     """Base class of the dense backbones.
 

@@ -16,7 +16,8 @@ from ..resize import add_resized, cached_resize_parts
 from ..utils import HWShape, stage_grid
 from ..layers import (DropPath, Mlp, PatchEmbed, SpatialReductionAttention, check_attn_type,
                       drop_path_rates, stage_output)
-from .base import FLattenBackbone, Stage, StageOutput, check_backbone_args, check_stages
+from .base import FLattenBackbone, Stage, StageOutput
+from .checks import check_backbone_args, check_stages
 
 SOFTMAX_SR_RATIOS = (8, 4, 2, 1)
 
