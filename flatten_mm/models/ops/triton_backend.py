@@ -88,8 +88,12 @@ def kernels() -> ModuleType:
 
 
 def importable() -> bool:
-    """Whether the kernels import here (triton present and working); asked once."""
+    """Whether the kernels import here (triton present and working); asked once,
+    by an eager call: inside a torch.compile trace an import would break the
+    graph, so there the answer is whether triton is installed until then."""
     if 'importable' not in _KERNELS:
+        if torch.compiler.is_compiling():
+            return AVAILABLE
         try:
             kernels()
             _KERNELS['importable'] = True

@@ -165,6 +165,17 @@ def test_auto_falls_back_when_the_first_call_fails(monkeypatch):
         tb.triton_backend(q, k, v, scale, 3.0, 2)
 
 
+def test_auto_choice_compiles_without_importing(monkeypatch):
+    """Whether the kernels import is settled by an eager call, never inside a
+    trace (an import there would break a fullgraph compile)."""
+    monkeypatch.setattr(tb, '_KERNELS', {})
+    fn = torch.compile(lambda x: x + 1 if tb.importable() else x - 1, fullgraph=True,
+                       backend='eager')
+    assert torch.equal(fn(torch.zeros(2)), torch.ones(2) if tb.AVAILABLE else -torch.ones(2))
+    assert 'importable' not in tb._KERNELS and 'module' not in tb._KERNELS
+    assert tb.importable() is True and tb._KERNELS['importable'] is True
+
+
 def op_args(masked):
     q, k, v, scale, mask, _ = inputs(2, 9, 5, 16, torch.float32, masked)
     s_inv = (1.0 / F.softplus(scale)).reshape(-1)
