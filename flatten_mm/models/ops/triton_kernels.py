@@ -108,6 +108,19 @@ def _block_focus(x, s_inv, stats_ptr, b, tok, L, R, cmask, p, WHOLE_ROWS: tl.con
 
 
 @triton.jit
+def _head_program(s_inv_ptr, h, D, BD: tl.constexpr):
+    """What a program over (image * head, ...) starts from: its image b, its
+    head's first channel col0, the padded channel range and its mask, and the
+    head's slice of s_inv (1 in padded channels)."""
+    bh = tl.program_id(0)
+    col0 = (bh % h) * D
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
+    return bh, bh // h, col0, cols, cmask, s_inv
+
+
+@triton.jit
 def _row_stats_kernel(x_ptr, s_inv_ptr, stats_ptr, R, L, C, stride_b, stride_n, p,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """m, c and t of BLOCK_R rows, each over all C channels (the norms span the heads)."""
@@ -131,13 +144,8 @@ def _kv_state_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_pt
                      BD: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Partial sums of one chunk of keys: sum phi_j v_j^T and sum phi_j over real keys
     (the division by the count is the caller's), into slot (bh, chunk) of the partials."""
-    bh = tl.program_id(0)
+    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
     chunk = tl.program_id(1)
-    b = bh // h
-    col0 = (bh % h) * D
-    cols = tl.arange(0, BD)
-    cmask = cols < D
-    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
     acc = tl.zeros([BD, BD], dtype=tl.float32)
     ksum = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
@@ -165,14 +173,9 @@ def _output_kernel(q_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, out_ptr, N, h, D
                    BLOCK_N: tl.constexpr, BD: tl.constexpr, DOT_DTYPE: tl.constexpr,
                    PREC: tl.constexpr):
     """out = w (u KV) for one block of queries and one head, the mapping applied on load."""
-    bh = tl.program_id(0)
-    b = bh // h
-    col0 = (bh % h) * D
-    cols = tl.arange(0, BD)
-    cmask = cols < D
+    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
     tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     R = N * (tl.num_programs(0) // h)
-    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
     x = _load_rows(q_ptr, b, tok, col0, cols, N, D, stride_qb, stride_qn).to(tl.float32)
     c, u = _block_focus(x, s_inv, stats_ptr, b, tok, N, R, cmask, p, WHOLE_ROWS)
     kv = _load_state(kv_ptr, bh, cols, D)
@@ -226,14 +229,9 @@ def _query_state_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr,
     """Backward pass 1 over one chunk of queries and one head: partial gradients of
     KV (sum_i w_i u_i g_i^T) and km (sum_i gd_i u_i), and each row's share of the
     gradient of c (gy eps / den^2; the caller sums it over heads) into gc (B, N, h)."""
-    bh = tl.program_id(0)
+    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
     chunk = tl.program_id(1)
-    b = bh // h
-    head = bh % h
-    cols = tl.arange(0, BD)
-    cmask = cols < D
     R = N * (tl.num_programs(0) // h)
-    s_inv = tl.load(s_inv_ptr + head * D + cols, mask=cmask, other=1.0)
     kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
     km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
     dkv = tl.zeros([BD, BD], dtype=tl.float32)
@@ -241,9 +239,9 @@ def _query_state_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr,
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         _, g, _, u, c, _, den, w, _, gy, gd = _query_terms(
-            q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, head * D, cols, N, R, D,
+            q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
             stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
-        tl.store(gc_ptr + (b * N + tok) * h + head, gy * _EPS / (den * den), mask=tok < N)
+        tl.store(gc_ptr + (b * N + tok) * h + bh % h, gy * _EPS / (den * den), mask=tok < N)
         wu = (u * w[:, None]).to(DOT_DTYPE)
         dkv = tl.dot(tl.trans(wu), g.to(DOT_DTYPE), dkv, input_precision=PREC)
         dkm += tl.sum(u * gd[:, None], axis=0)
@@ -270,14 +268,9 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
     """Backward pass 2 over one chunk of queries and one head: dq, and the chunk's
     partial gradient of s_inv for the head's channels. u's gradient is
     w A + gd km (A, gd recomputed: cheaper than storing a (B, N, C) fp32 buffer)."""
-    bh = tl.program_id(0)
+    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
     chunk = tl.program_id(1)
-    b = bh // h
-    col0 = (bh % h) * D
-    cols = tl.arange(0, BD)
-    cmask = cols < D
     R = N * (tl.num_programs(0) // h)
-    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
     kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
     km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
     ds = tl.zeros([BD], dtype=tl.float32)
@@ -324,24 +317,19 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
                            DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 3 over one block of keys and one head: dv = kappa (u dKV), and
     each row's share of the gradient of c (share u . Bm) into gc (B, n, h)."""
-    bh = tl.program_id(0)
-    b = bh // h
-    head = bh % h
-    cols = tl.arange(0, BD)
-    cmask = cols < D
+    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
     tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s_inv = tl.load(s_inv_ptr + head * D + cols, mask=cmask, other=1.0)
     dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
     dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
     inv_count = tl.load(inv_count_ptr + b)
     _, _, u, c, _, share, bm = _key_terms(
-        k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok, head * D,
+        k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok, col0,
         cols, n,
         n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn, stride_mb,
         p, HAS_MASK, DOT_DTYPE, PREC)
     dv = tl.dot(u.to(DOT_DTYPE), dkv_op, input_precision=PREC) * (c * share)[:, None]
-    _store_rows(dv_ptr, dv, b, tok, head * D, cols, n, D, stride_db, stride_dn)
-    tl.store(gc_ptr + (b * n + tok) * h + head, share * tl.sum(u * bm, axis=1), mask=tok < n)
+    _store_rows(dv_ptr, dv, b, tok, col0, cols, n, D, stride_db, stride_dn)
+    tl.store(gc_ptr + (b * n + tok) * h + bh % h, share * tl.sum(u * bm, axis=1), mask=tok < n)
 
 
 @triton.jit
@@ -352,13 +340,8 @@ def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_
                      DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 4 over one chunk of keys and one head: dk (u's gradient kappa Bm,
     c's the row sum over heads of gc), and the chunk's partial gradient of s_inv."""
-    bh = tl.program_id(0)
+    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
     chunk = tl.program_id(1)
-    b = bh // h
-    col0 = (bh % h) * D
-    cols = tl.arange(0, BD)
-    cmask = cols < D
-    s_inv = tl.load(s_inv_ptr + col0 + cols, mask=cmask, other=1.0)
     dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
     dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
     inv_count = tl.load(inv_count_ptr + b)
