@@ -14,10 +14,7 @@ from .dispatch import apply_environment as _apply_environment
 from .mlp import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .reference import EPS, focusing_map, linear_attention
 
-try:  # registers the 'triton' backend when triton imports
-    from . import triton_backend  # noqa: F401
-except ImportError:  # pragma: no cover (triton_backend guards its own imports)
-    pass
+from . import triton_backend  # noqa: F401  (registers 'triton' where triton is installed)
 
 _apply_environment()
 

@@ -30,7 +30,7 @@ from .autograd import FocusedLinearAttentionFn
 from .reference import focusing_map, linear_attention
 
 Backend = Callable[..., Tensor]
-Supports = Callable[[Tensor, Tensor, Tensor, Optional[Tensor]], bool]
+Supports = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], int], bool]
 
 _BACKENDS: Dict[str, Backend] = {}
 _AUTO: Dict[str, Supports] = {}  # backends 'auto' may choose, in registration order
@@ -39,7 +39,7 @@ _OVERRIDE = {'name': 'auto'}
 
 def register_backend(name: str, fn: Backend, auto: Optional[Supports] = None) -> None:
     """Add a backend. With ``auto``, ``'auto'`` picks it for calls where
-    ``auto(q, k, v, key_mask)`` is True (earlier registrations win)."""
+    ``auto(q, k, v, key_mask, num_heads)`` is True (earlier registrations win)."""
     _BACKENDS[name] = fn
     if auto is not None:
         _AUTO[name] = auto
@@ -74,13 +74,14 @@ def use_backend(name: str) -> Iterator[None]:
         _OVERRIDE['name'] = previous
 
 
-def choose_backend(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> str:
+def choose_backend(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+                   num_heads: int) -> str:
     """The backend a call with these tensors runs on."""
     name = _OVERRIDE['name']
     if name != 'auto':
         return name
     for candidate, supports in _AUTO.items():
-        if supports(q, k, v, key_mask):
+        if supports(q, k, v, key_mask, num_heads):
             return candidate
     return 'torch'
 
@@ -104,33 +105,35 @@ def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
     Returns:
         Tensor: (B, N, C) in v's dtype.
     """
-    name = choose_backend(q, k, v, key_mask)
+    name = choose_backend(q, k, v, key_mask, num_heads)
     return _BACKENDS[name](q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
+
+
+def _in_fp32(core: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
+             scale: Tensor) -> Tensor:
+    """``core(q, k, v, softplus(scale))`` on fp32 copies (fp64 stays fp64) with
+    autocast off, the output in v's dtype: what both PyTorch backends need
+    under half precision (fp32 sums)."""
+    dtype = v.dtype
+    ct = torch.promote_types(dtype, torch.float32)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        out = core(q.to(ct), k.to(ct), v.to(ct), F.softplus(scale.to(ct)).view(-1))
+    return out.to(dtype)
 
 
 def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                    num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
-    """The hand-written autograd function, in fp32 under half precision."""
-    dtype = v.dtype
-    ct = torch.promote_types(dtype, torch.float32)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        s_inv = 1.0 / F.softplus(scale.to(ct)).view(-1)
-        out = FocusedLinearAttentionFn.apply(q.to(ct), k.to(ct), v.to(ct), s_inv,
-                                             focusing_factor, num_heads, key_mask, overwrite_qk)
-    return out.to(dtype)
+    """The hand-written autograd function."""
+    return _in_fp32(lambda q, k, v, s: FocusedLinearAttentionFn.apply(
+        q, k, v, 1.0 / s, focusing_factor, num_heads, key_mask, overwrite_qk), q, k, v, scale)
 
 
 def _reference_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                        num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
-    """The formula with autograd, in fp32 under half precision."""
-    dtype = v.dtype
-    ct = torch.promote_types(dtype, torch.float32)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        s = F.softplus(scale.to(ct)).view(-1)
-        out = linear_attention(focusing_map(q.to(ct), s, focusing_factor),
-                               focusing_map(k.to(ct), s, focusing_factor), v.to(ct),
-                               num_heads, key_mask)
-    return out.to(dtype)
+    """The formula with autograd."""
+    return _in_fp32(lambda q, k, v, s: linear_attention(
+        focusing_map(q, s, focusing_factor), focusing_map(k, s, focusing_factor), v,
+        num_heads, key_mask), q, k, v, scale)
 
 
 register_backend('torch', _torch_backend)

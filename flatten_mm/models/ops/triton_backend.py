@@ -224,12 +224,8 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
     takes the gradient on to ``scale``. ``overwrite_qk`` is moot (q and k are only read)."""
     d = check_call(q, k, v, scale, num_heads, key_mask)
     if d > MAX_HEAD_DIM:
-        if get_backend() == 'auto':
-            return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask,
-                                  overwrite_qk)
         raise ValueError(f"the 'triton' attention backend takes head widths up to "
                          f'{MAX_HEAD_DIM}, got d={d} (C={q.shape[-1]}, num_heads={num_heads})')
-    check_runnable(q)
     with torch.autocast(device_type=q.device.type, enabled=False):
         s_inv = 1.0 / F.softplus(scale.float()).reshape(-1)
     try:
@@ -249,8 +245,9 @@ def _fall_back_on_first_failure(err: Exception) -> bool:
     backend for the torch backend in this process, and return True. A forced
     ``'triton'``, a failure after a successful call or one inside a compiled
     graph is the caller's error (False)."""
-    if get_backend() != 'auto' or _KERNELS.get('ran') or torch.compiler.is_compiling():
-        return False
+    if get_backend() != 'auto' or _KERNELS.get('ran') or torch.compiler.is_compiling() \
+            or isinstance(err, (torch.OutOfMemoryError, ValueError)):
+        return False  # not a kernel that cannot be built: the caller's error
     _KERNELS['importable'] = False  # supports() answers False from now on
     warnings.warn(f"the 'triton' attention backend failed on its first call ({err!r}); "
                   "this process uses the 'torch' backend instead (set "
@@ -259,11 +256,15 @@ def _fall_back_on_first_failure(err: Exception) -> bool:
     return True
 
 
-def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> bool:
-    """``'auto'`` takes this backend for CUDA tensors of one supported dtype (wider
-    heads than :data:`MAX_HEAD_DIM` fall back to the torch backend inside)."""
+def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+             num_heads: int) -> bool:
+    """``'auto'`` takes this backend for CUDA tensors of one supported dtype, heads
+    up to :data:`MAX_HEAD_DIM` channels and a bool key mask (or none)."""
+    C = q.shape[-1]
     return (q.device.type == 'cuda' and q.dim() == 3 and v.dtype in DTYPES and
-            q.dtype == k.dtype == v.dtype and importable())
+            q.dtype == k.dtype == v.dtype and C % num_heads == 0 and
+            C // num_heads <= MAX_HEAD_DIM and
+            (key_mask is None or key_mask.dtype == torch.bool) and importable())
 
 
 if AVAILABLE:

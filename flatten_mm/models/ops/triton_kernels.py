@@ -383,7 +383,6 @@ class Plan(NamedTuple):
     bd: int
     dot_dtype: object
     precision: str
-    num_warps: int = NUM_WARPS
 
 
 def plan(tokens: int, bh: int, d: int, dtype: torch.dtype) -> Plan:
@@ -447,7 +446,7 @@ def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.devi
 def _launch_opts(pl: Plan) -> dict:
     """The compile-time arguments every token kernel takes from its plan."""
     return dict(BLOCK_N=pl.block_n, BD=pl.bd, DOT_DTYPE=pl.dot_dtype, PREC=pl.precision,
-                num_warps=pl.num_warps)
+                num_warps=NUM_WARPS)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,

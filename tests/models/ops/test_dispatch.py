@@ -22,7 +22,7 @@ def inputs(dtype=torch.float64, n=9):
 def test_auto_takes_the_torch_backend_on_cpu():
     q, k, v, _ = inputs()
     assert get_backend() == 'auto'
-    assert choose_backend(q, k, v, None) == 'torch'
+    assert choose_backend(q, k, v, None, 2) == 'torch'
 
 
 @pytest.mark.parametrize('mask', [False, True])
@@ -32,7 +32,7 @@ def test_backends_agree_with_gradients(mask):
     results = {}
     for name in ('reference', 'torch'):
         with use_backend(name):
-            assert choose_backend(q, k, v, key_mask) == name
+            assert choose_backend(q, k, v, key_mask, 2) == name
             out = focused_linear_attention(q, k, v, scale, 3, 2, key_mask)
         grads = torch.autograd.grad(out, (q, k, v, scale), torch.ones_like(out))
         results[name] = (out, *grads)

@@ -121,7 +121,7 @@ def test_strided_views_of_one_projection():
 def test_registered_and_not_auto_on_cpu():
     assert 'triton' in available_backends()
     q, k, v, *_ = inputs(1, 4, 4, 8, torch.float32, device='cpu')
-    assert not tb.supports(q, k, v, None)  # 'auto' never sends CPU tensors here
+    assert not tb.supports(q, k, v, None, 2)  # 'auto' never sends CPU tensors here
 
 
 def test_clear_errors(monkeypatch):
@@ -162,6 +162,13 @@ def test_auto_falls_back_when_the_first_call_fails(monkeypatch):
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
     monkeypatch.setitem(tb._KERNELS, 'ran', True)  # after a successful call: the error
     with pytest.raises(RuntimeError, match='cannot build'):
+        tb.triton_backend(q, k, v, scale, 3.0, 2)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError('no memory')
+    monkeypatch.setattr(tb.kernels(), 'forward', out_of_memory)
+    monkeypatch.delitem(tb._KERNELS, 'ran')  # a first call again: memory is no reason to leave
+    with pytest.raises(torch.OutOfMemoryError):
         tb.triton_backend(q, k, v, scale, 3.0, 2)
 
 
