@@ -13,9 +13,9 @@ from torch import Tensor, nn
 from ...conversion import pvt_convert
 from ..attention import FocusedLinearAttention
 from ..resize import add_resized, cached_resize_parts
-from ..utils import HWShape, stage_grid
+from ..utils import HWShape, stage_grid, tokens_to_map
 from ..layers import (DropPath, Mlp, PatchEmbed, SpatialReductionAttention, check_attn_type,
-                      drop_path_rates, stage_output)
+                      drop_path_rates)
 from .base import FLattenBackbone, Stage, StageOutput
 from .checks import check_backbone_args, check_stages
 
@@ -67,8 +67,8 @@ class PyramidStage(Stage):
     def forward(self, backbone: 'FLattenPyramid', x: Tensor,
                 hw_shape: Optional[HWShape]) -> StageOutput:
         n = self.index + 1
-        if hw_shape is not None:  # tokens of the previous stage
-            x = stage_output(x, hw_shape)
+        if hw_shape is not None:  # tokens of the previous stage, as a map (a view)
+            x = tokens_to_map(x, hw_shape)
         x, hw_shape = getattr(backbone, f'patch_embed{n}')(x)
         if self.has_pos_embed:
             pos = getattr(backbone, f'pos_embed{n}')
