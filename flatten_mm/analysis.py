@@ -1,4 +1,6 @@
-"""Measuring models: FLOPs with mmengine's analyzer, and bytes saved for backward.
+"""Measuring and inspecting models: FLOPs with mmengine's analyzer, bytes saved
+for backward, the attention weights of chosen queries, and the reference forward
+of a FocusedLinearAttention in the release's op order (the tests' yardstick).
 
 FLOPs follow the OpenMMLab convention (mmengine's ``FlopAnalyzer``, as
 mmdet's ``get_flops.py``): one multiply-accumulate of a linear layer, matmul

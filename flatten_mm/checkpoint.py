@@ -15,7 +15,7 @@ import os
 import pickle
 import re
 import types
-from typing import Callable, Dict, Iterable, Optional
+from typing import Dict, Iterable
 
 import torch
 from mmengine.logging import print_log
@@ -223,7 +223,6 @@ def _matches(key: str, patterns: Iterable[str]) -> bool:
 
 def load_pretrained(model: nn.Module,
                     path: str,
-                    convert: Optional[Callable[[dict], dict]] = None,
                     ignore_unexpected: Iterable[str] = (),
                     ignore_missing: Iterable[str] = ()) -> None:
     """Load an (official or our own) checkpoint into ``model``.
@@ -234,9 +233,7 @@ def load_pretrained(model: nn.Module,
     shape, a weight the model lacks or needs) raises ValueError naming it,
     since it means the checkpoint is of another architecture.
     """
-    sd = extract_state_dict(load_checkpoint_file(path))
-    if convert is not None:
-        sd = convert(sd)
+    sd = extract_state_dict(load_checkpoint_file(path))  # the model's load hook converts it
     try:
         result = model.load_state_dict(sd, strict=False)
     except RuntimeError as err:

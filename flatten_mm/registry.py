@@ -57,10 +57,14 @@ def register_openmmlab() -> List[str]:
 
 def register_timm() -> bool:
     """Register the classifiers in timm (importing
-    :mod:`flatten_mm.timm_models` does); False when timm is not installed."""
+    :mod:`flatten_mm.timm_models` does); False when timm is not installed or
+    cannot take them."""
     if importlib.util.find_spec('timm') is None:
         return False
-    from . import timm_models  # noqa: F401  (its @register_model functions register them)
+    try:
+        from . import timm_models  # noqa: F401  (its @register_model functions register them)
+    except ImportError:  # a timm too old for these models (or broken): no timm names
+        return False
     register_fx_leaves()
     return True
 

@@ -1,8 +1,8 @@
-"""Focused Linear Attention (FLatten, ICCV 2023): the op and the module.
+"""Focused Linear Attention (FLatten, ICCV 2023): the layer.
 
-Every backbone of flatten_mm uses :class:`FocusedLinearAttention`. The module
-needs only torch (and mmengine's logger for load-time messages), so it can be
-benchmarked on a machine without mmcv, mmdet or mmseg.
+Every backbone of flatten_mm uses :class:`FocusedLinearAttention`; the
+attention core it calls is :mod:`flatten_mm.models.ops`. The layer needs only
+torch, so it can be benchmarked on a machine without mmcv, mmdet or mmseg.
 
 Notation: x is (B, N, C) on an H x W grid, h heads of d = C / h channels,
 n keys (n = N, or fewer with spatial reduction).

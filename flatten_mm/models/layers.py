@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from .utils import (HWShape, add_projections, check_heads, check_positive_int, inference_cached,
-                    map_to_tokens, pad_to_multiple, param_cached, spatial_reduce, specialize_image_size,
-                    tokens_to_map)
+from .utils import (HWShape, add_projections, check_heads, check_positive_int,
+                    inference_cached, map_to_tokens, pad_to_multiple, param_cached,
+                    spatial_reduce, specialize_image_size, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 
 ATTN_TYPES = ('L', 'S')
@@ -164,7 +164,6 @@ class Mlp(nn.Module):
         x = self.drop(self.act(x))
         return self.drop(self.fc2(x))
 
-
     def _chunked(self, x: Tensor) -> bool:
         """Whether :class:`TokenMlpFn` runs this MLP: on CPU, in the input's
         own dtype, with nothing between fc1 and fc2 but the GELU (no depth-wise
@@ -271,9 +270,10 @@ class WindowSoftmaxAttention(nn.Module):
         table = self.relative_position_bias_table
         bias = table[self.relative_position_index.view(-1)].view(n, n, -1)
         bias = bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
-        mask = inference_cached(self, ('mask', tuple(hw_shape), layout, batch, dtype, table.device),
-                           lambda: additive_key_mask(window_key_mask(
-                               hw_shape, self.window_size, layout, batch, table.device), dtype))
+        mask = inference_cached(
+            self, ('mask', tuple(hw_shape), layout, batch, dtype, table.device),
+            lambda: additive_key_mask(window_key_mask(
+                hw_shape, self.window_size, layout, batch, table.device), dtype))
         return bias if mask is None else bias + mask
 
     def attend(self, qkv: Tensor, bias: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """Small helpers every backbone and layer shares: argument checks, the token
-<-> map layouts, the stage-output layout and the inference cache."""
+<-> map layouts, padding and stage grids, PVT's key reduction, the image-size
+specialisation under torch.compile and the inference caches."""
 import collections
 import math
 import numbers
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 HWShape = Tuple[int, int]
+
 
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
     """Return ``value`` if it is an int >= ``minimum``, else raise ValueError."""
@@ -140,7 +142,6 @@ def param_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...]
     value = make()
     _store(cache, full, (value, tuple(p.detach().clone() for p in params)))
     return value
-
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:

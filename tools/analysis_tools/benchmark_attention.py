@@ -1,6 +1,6 @@
 """Time one FocusedLinearAttention layer against the plain reference.
 
-The reference (``flatten_mm.models.attention.reference_forward``) follows the
+The reference (``flatten_mm.analysis.reference_forward``) follows the
 official op order; the fast path is the module's own forward. All paths run on
 the same module, weights and input, interleaved (fast, reference, fast, ...);
 medians and ratios to the reference are reported, with the bytes autograd

@@ -77,6 +77,8 @@ def delete_part(module: nn.Module, name: str) -> None:
     owner = find_part(module, parent) if parent else module
     if owner is not None and hasattr(owner, last):
         delattr(owner, last)
+
+
 class FLattenBackbone(BaseModule):
     """Base class of the dense backbones.
 

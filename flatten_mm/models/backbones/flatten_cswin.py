@@ -78,8 +78,9 @@ class LePEAttention(nn.Module):
         windows, layout = window_partition(qkv, window, (0, 0))
         Bw, n, _ = windows.shape
         q, k, v = windows.view(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
-        mask = inference_cached(self, ('mask', (H, W), B, q.dtype, q.device),
-                           lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
+        mask = inference_cached(
+            self, ('mask', (H, W), B, q.dtype, q.device),
+            lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(Bw, n, C)

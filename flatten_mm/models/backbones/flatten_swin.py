@@ -72,7 +72,8 @@ class SwinBlock(nn.Module):
         B = x.shape[0]
         windows, layout = window_partition(x.view(B, H, W, x.shape[-1]), self.window, offset)
         mask = inference_cached(self, ('mask', tuple(hw_shape), layout, B, x.device),
-                           lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
+                                lambda: window_key_mask(hw_shape, self.window, layout, B,
+                                                        x.device))
         windows = self.attn(windows, self.window, mask)
         return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
 
