@@ -370,7 +370,19 @@ INTERPRETED = _interpreting()  # fixed when triton.jit decorated the kernels abo
 # Eight warps: with four, a program's (BLOCK_N, BD) fp32 blocks, its d x d state
 # and the mapping's temporaries overflow the register file (spills) at d = 64.
 NUM_WARPS = 8
-SM_COUNT = 132  # H100/H200: the chunked sweeps aim at a few programs per SM
+_SM_COUNTS = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (asked once per device; 132 on an H100/H200,
+    and that figure under the interpreter): the chunked sweeps aim at a few
+    programs per multiprocessor."""
+    if device.type != 'cuda':
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 class Plan(NamedTuple):
@@ -385,7 +397,7 @@ class Plan(NamedTuple):
     precision: str
 
 
-def plan(tokens: int, bh: int, d: int, dtype: torch.dtype) -> Plan:
+def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132) -> Plan:
     """Tiling of a (B * h)-by-``tokens`` sweep for head width d.
 
     Blocks of 128 tokens for d <= 32, 64 for d <= 64, 32 above, and 32 for exact
@@ -403,7 +415,7 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype) -> Plan:
     else:
         block_n = 32 if exact or bd > 64 else 4096 // bd
         blocks = triton.cdiv(tokens, block_n)
-        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * SM_COUNT, bh))))
+        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * sms, bh))))
     chunks = max(1, triton.cdiv(tokens, block_n * per))
     # bf16 operands for bf16 (fp32's exponent range); fp16 inputs get tf32 dots
     # instead: fp16's precision without its range (the states and u^p of a large
@@ -459,7 +471,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
     f32 = dict(dtype=torch.float32, device=q.device)
     whole = h == 1  # the token kernels see whole rows: they make the statistics
     stats_q, stats_k = (row_stats(x, s_inv, p, not whole) for x in (q, k))
-    kp = plan(n, B * h, d, v.dtype)
+    kp = plan(n, B * h, d, v.dtype, sm_count(k.device))
     kv_part = torch.empty((B * h, kp.chunks, d, d), **f32)
     km_part = torch.empty((B * h, kp.chunks, d), **f32)
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
@@ -471,7 +483,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
     # partials of the chunks added here: deterministic, unlike atomics
     kv = kv_part.sum(1).view(B, h, d, d).mul_(inv.view(B, 1, 1, 1))
     km = km_part.sum(1).view(B, h, d).mul_(inv.view(B, 1, 1))
-    qp = plan(N, B * h, d, v.dtype)
+    qp = plan(N, B * h, d, v.dtype, sm_count(q.device))
     out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
     _output_kernel[(B * h, triton.cdiv(N, qp.block_n))](
         q, stats_q, s_inv, kv, km, out, N, h, d, q.stride(0), q.stride(1), out.stride(0),
@@ -485,7 +497,7 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
     B, N, C = q.shape
     d = C // h
     f32 = dict(dtype=torch.float32, device=q.device)
-    qp = plan(N, B * h, d, dtype)
+    qp = plan(N, B * h, d, dtype, sm_count(q.device))
     gc = torch.empty((B, N, h), **f32)
     dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)
     dkm_part = torch.empty((B * h, qp.chunks, d), **f32)
@@ -509,7 +521,7 @@ def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor,
     B, n, C = k.shape
     d = C // h
     f32 = dict(dtype=torch.float32, device=k.device)
-    kp = plan(n, B * h, d, v.dtype)
+    kp = plan(n, B * h, d, v.dtype, sm_count(k.device))
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
     inv = inverse_count(key_mask, B, n, k.device)
     gc = torch.empty((B, n, h), **f32)

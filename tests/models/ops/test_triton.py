@@ -259,3 +259,19 @@ def test_cuda_bf16_matches_reference(B, N, n, C, h, masked):
     """Real bf16 tensor-core dots on GPU shapes, 3e-2 (module docstring); fp32 exact."""
     check(torch.bfloat16, B, N, n, C, h, 3.0, masked)
     check(torch.float32, B, N, n, C, h, 3.0, masked, tol=1e-4)
+
+
+def test_plan_fills_the_gpu_it_runs_on(monkeypatch):
+    """Outside the interpreter the key sweeps are split into chunks so that the
+    (image, head, chunk) programs number a few per multiprocessor of the GPU at
+    hand: a GPU with half the multiprocessors gets about half the chunks."""
+    kernels = tb.kernels()
+    monkeypatch.setattr(kernels, 'INTERPRETED', False)
+    bh, tokens = 16 * 3, 66_800  # stage 1 of 800x1333, batch 16, Swin-T's 3 heads
+    big = kernels.plan(tokens, bh, 32, torch.bfloat16, sms=132)
+    small = kernels.plan(tokens, bh, 32, torch.bfloat16, sms=66)
+    assert big.block_n == small.block_n == 128
+    assert bh * big.chunks >= 4 * 132 and bh * small.chunks >= 4 * 66
+    assert big.chunks == pytest.approx(2 * small.chunks, rel=0.1)
+    assert big.chunks * big.blocks_per_prog * big.block_n >= tokens
+    assert kernels.sm_count(torch.device('cpu')) == 132
