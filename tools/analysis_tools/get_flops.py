@@ -29,7 +29,7 @@ from flatten_mm.analysis import flop_analyzer, focusing_ops  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('config', nargs='?', help='an mmdet / mmseg config')
+    parser.add_argument('config', nargs='?', help='an mmdet / mmseg / mmpretrain config')
     parser.add_argument('--backbone', help='a flatten_mm backbone class, e.g. FLattenPVT')
     parser.add_argument('--arch', default='tiny', help='arch of --backbone')
     parser.add_argument('--attn-type', help='attn_type of --backbone, e.g. SSSS for its '
@@ -65,21 +65,33 @@ class _Traced(torch.nn.Module):
 
 def from_config(path, shape, cfg_options):
     from mmengine.config import Config
-    from mmengine.registry import DefaultScope, init_default_scope
     import flatten_mm  # noqa: F401
     cfg = Config.fromfile(path)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
+    return model_of_config(cfg, shape, path)
+
+
+def model_of_config(cfg, shape, name='the config'):
+    """The model of an mmdet / mmseg / mmpretrain config (in eval mode) and a
+    call that runs it on one image tensor."""
+    from mmengine.registry import DefaultScope, init_default_scope
     scope = cfg.get('default_scope')
-    if scope not in ('mmdet', 'mmseg'):
-        raise SystemExit(f'{path}: default_scope must be mmdet or mmseg, got {scope!r}')
+    if scope not in ('mmdet', 'mmseg', 'mmpretrain'):
+        raise SystemExit(f'{name}: default_scope must be mmdet, mmseg or mmpretrain, '
+                         f'got {scope!r}')
     init_default_scope(scope)
     H, W = shape
     meta = dict(img_shape=(H, W), ori_shape=(H, W), pad_shape=(H, W),
                 batch_input_shape=(H, W), scale_factor=(1.0, 1.0))
     with DefaultScope.overwrite_default_scope(scope):
         from mmengine.registry import MODELS
-        model = MODELS.build(cfg.model).eval()
+        model_cfg = cfg.model.copy()
+        if scope == 'mmpretrain' and cfg.get('data_preprocessor'):
+            model_cfg.setdefault('data_preprocessor', cfg.data_preprocessor)  # as the Runner
+        model = MODELS.build(model_cfg).eval()
+        if scope == 'mmpretrain':
+            return model, lambda m, x: m(x, mode='tensor')
         if scope == 'mmdet':
             from mmdet.structures import DetDataSample
             sample = DetDataSample(metainfo=meta)
