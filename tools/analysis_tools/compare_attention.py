@@ -164,7 +164,7 @@ def run_config(args, spec: Spec) -> Config:
     apply_spec(cfg, spec, backbone_class(cfg, args.config))
     to_iterations(cfg, args.iters, args.val_interval or args.iters)
     cfg.randomness = dict(seed=args.seed, deterministic=True)
-    cfg.experiment_name = f'{spec.slug}_{time.strftime("%Y%m%d_%H%M%S")}'
+    cfg.experiment_name = spec.slug  # the Runner appends the time
     if not args.keep_checkpoints and cfg.get('default_hooks', {}).get('checkpoint'):
         cfg.default_hooks.checkpoint = None
     add_hooks(cfg, 'EmptyDatasetHook')
@@ -236,10 +236,19 @@ def count_model(cfg: Config, shape) -> dict:
 
 
 def flops_shape(cfg: Config, shape) -> tuple:
+    """``--shape``, else the size the model sees: the data preprocessor's
+    ``size``, else the last crop or resize of the validation pipeline, else 224."""
     if shape:
         return tuple(shape) * (3 - len(shape))
     pre = cfg.model.get('data_preprocessor') or cfg.get('data_preprocessor') or {}
-    size = pre.get('size') or 224
+    size = pre.get('size')
+    if not size:
+        pipeline = cfg.get('val_dataloader', {}).get('dataset', {}).get('pipeline') or []
+        sizes = [t.get('crop_size') or t.get('scale') for t in pipeline
+                 if isinstance(t, dict) and (t.get('crop_size') or t.get('scale'))]
+        size = sizes[-1] if sizes else 224
+        if isinstance(size, (list, tuple)):
+            size = tuple(size)[::-1]  # transforms take (w, h)
     return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
 
