@@ -36,7 +36,8 @@ def build_classifier(path):
 
 
 def test_every_family_and_size_has_an_imagenet_config():
-    names = {osp.basename(p) for p in IN1K}
+    # configs/attention_designs holds one config per attention design of some of them
+    names = {osp.basename(p) for p in IN1K if osp.basename(osp.dirname(p)) != 'attention_designs'}
     assert names == {
         *(f'flatten-pvt-{a}_8xb128_in1k.py' for a in 'tsml'),
         *(f'flatten-pvtv2-b{i}_8xb128_in1k.py' for i in range(6)),
