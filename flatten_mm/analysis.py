@@ -19,6 +19,18 @@ The focused mapping itself is element-wise; :func:`focusing_ops` counts its
 operations separately (:data:`FOCUS_OPS_PER_ELEMENT` per element of q and k),
 so it can be reported next to the total without being mixed into it, just
 as a softmax is not part of a softmax backbone's count.
+
+The compared designs (``design``/``attn_design``, :mod:`flatten_mm.models.designs`)
+are written in products mmengine counts itself (``matmul``, ``einsum``,
+convolutions, linear layers), in the same convention; each design's
+``Design.flops`` is the closed form of its attention term per image, which
+:func:`attention_flops` sums over a model (tests hold the analyzer to it):
+
+* relu, efficientvit (per scale): ``(n + N) * C * (d + 1)`` (phi(K)^T [V, 1]
+  and phi(Q) times it, the ones column giving the normaliser);
+* efficient: ``(n + N) * C * d``; hydra: ``n * C`` (the sum of k * v; its
+  product with q is element-wise); angular: ``(n + N) * h * (d + 1)**2``
+  (q and k carry one more feature each: 1 and 1/2).
 """
 from collections import Counter
 from typing import Callable, Dict, Iterable, Tuple
@@ -89,7 +101,7 @@ def focusing_ops(model: nn.Module, forward: Callable[[], object]) -> int:
     """Element-wise operations of every focused mapping run by ``forward()``.
 
     Counts ``FOCUS_OPS_PER_ELEMENT`` per element of q and of k in each
-    :class:`~flatten_mm.FocusedLinearAttention` of ``model``.
+    :class:`~flatten_mm.FocusedLinearAttention` of ``model`` with the focused design.
     """
     from .models.attention import FocusedLinearAttention
     total = 0
@@ -103,6 +115,38 @@ def focusing_ops(model: nn.Module, forward: Callable[[], object]) -> int:
             keys = x.shape[0] * (-(-hw[0] // module.sr_ratio)) * (-(-hw[1] // module.sr_ratio))
         total += FOCUS_OPS_PER_ELEMENT * module.embed_dims * (x.shape[0] * x.shape[1] + keys)
 
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()
+               if isinstance(m, FocusedLinearAttention) and m.attn_design == 'focused']
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def _key_count(module: nn.Module, hw_shape: HWShape) -> int:
+    """Keys per image of a FocusedLinearAttention on an H x W grid."""
+    if module.sr_ratio == 1:
+        return hw_shape[0] * hw_shape[1]
+    return (-(-hw_shape[0] // module.sr_ratio)) * (-(-hw_shape[1] // module.sr_ratio))
+
+
+def attention_flops(model: nn.Module, forward: Callable[[], object]) -> Dict[str, int]:
+    """FLOPs of the attention terms (``Design.flops``: no projections, no
+    convolutions) of every :class:`~flatten_mm.FocusedLinearAttention` of
+    ``model`` run by ``forward()``, by design name."""
+    from .models.attention import FocusedLinearAttention
+    totals: Counter = Counter()
+
+    def hook(module, args, kwargs, output):
+        x = args[0]
+        hw = args[1] if len(args) > 1 else kwargs['hw_shape']
+        B, N, C = x.shape
+        totals[module.attn_design] += B * module._design.flops(
+            N, _key_count(module, hw), C, module.num_heads)
+
     handles = [m.register_forward_hook(hook, with_kwargs=True)
                for m in model.modules() if isinstance(m, FocusedLinearAttention)]
     try:
@@ -111,7 +155,13 @@ def focusing_ops(model: nn.Module, forward: Callable[[], object]) -> int:
     finally:
         for h in handles:
             h.remove()
-    return total
+    return dict(totals)
+
+
+def _focused_only(module: nn.Module, what: str) -> None:
+    if getattr(module, 'attn_design', 'focused') != 'focused':
+        raise ValueError(f'{what} writes out the focused design only, got a layer with '
+                         f'design={module.attn_design!r}')
 
 
 def saved_tensor_bytes(fn: Callable[[], object],
@@ -160,6 +210,7 @@ def attention_weights(module: nn.Module, x: Tensor, hw_shape: HWShape,
         tuple: focused weights (P, heads, n), softmax weights (P, heads,
         n), and the key grid (h, w) with h * w = n.
     """
+    _focused_only(module, 'attention_weights')
     if x.dim() != 3 or x.shape[0] != 1:
         raise ValueError(f'attention_weights takes one image, x of shape (1, N, C); '
                          f'got {tuple(x.shape)}')
@@ -182,8 +233,10 @@ def reference_forward(module: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor
     """The module's forward written step by step in the op order of the
     official release (ReLU, +eps, /scale, norms, power, renormalise, mean,
     two n^-1/2-scaled matmuls, DWC on (B*h, d, H, W)); V is resized to the
-    query grid in 2-D. Slow; kept as the yardstick for tests and benchmarks.
+    query grid in 2-D; no DWC with ``kernel_size=0``. Slow; kept as the
+    yardstick for tests and benchmarks. The focused design only.
     """
+    _focused_only(module, 'reference_forward')
     B, N, C = x.shape
     h, d = module.num_heads, module.head_dims
     q = module.q(x)
@@ -212,7 +265,8 @@ def reference_forward(module: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor
     v_map = v.transpose(-2, -1).reshape(B * h, d, grid[0], grid[1])
     if tuple(grid) != tuple(hw_shape):
         v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
-    out = out + module.dwc(v_map).reshape(B, C, N).transpose(1, 2)
+    if hasattr(module, 'dwc'):
+        out = out + module.dwc(v_map).reshape(B, C, N).transpose(1, 2)
     if hasattr(module, 'get_v'):  # FLatten-CSwin's LePE, over all C channels of V
         lepe = module.get_v(v.transpose(-2, -1).reshape(B, C, grid[0], grid[1]))
         out = out + lepe.reshape(B, C, N).transpose(1, 2)

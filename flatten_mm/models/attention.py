@@ -13,21 +13,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import depthwise_conv, focused_linear_attention
+from .designs import check_design, check_kernel_size, get_design, local_kernel
+from .ops import depthwise_conv
 from .resize import add_resized, cached_resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, check_heads, check_number, check_positive_int,
                     map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
 
 
 def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
-                         kernel_size: int, attn_drop: float, lepe: bool) -> None:
+                         kernel_size: int, attn_drop: float, lepe: bool,
+                         design: str = 'focused') -> None:
     """The checks of :class:`FocusedLinearAttention`'s arguments (ValueError)."""
     check_heads(embed_dims, num_heads)
     check_positive_int('sr_ratio', sr_ratio)
-    check_positive_int('kernel_size', kernel_size)
-    if kernel_size % 2 == 0:
-        raise ValueError(f'kernel_size must be odd (the DWC keeps the grid '
-                         f'size), got {kernel_size}')
+    check_kernel_size(kernel_size)
+    check_design(design)
     check_number('focusing_factor', focusing_factor, low_open=True)
     if attn_drop:
         raise ValueError(f'attn_drop must be 0 for linear attention (no '
@@ -50,6 +50,14 @@ def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tenso
                          f'and real tokens (sr_ratio={sr_ratio})')
 
 
+def _not_scriptable(module):
+    raise RuntimeError(
+        'FLatten models do not support torch.jit.script (deprecated by PyTorch, and '
+        'their attention is a custom autograd function it cannot compile); use '
+        'torch.compile, torch.export or torch.onnx.export (any input size), or '
+        'torch.jit.trace (the traced input size only)')
+
+
 class FocusedLinearAttention(nn.Module):
     """Focused linear attention with depth-wise-conv rank restoration.
 
@@ -65,7 +73,8 @@ class FocusedLinearAttention(nn.Module):
         sr_ratio (int): spatial reduction of keys and values by a strided
             conv + LayerNorm (as PVT). Default: 1 (every query sees every token).
         focusing_factor (float): the power p of the focused mapping. Default: 3.
-        kernel_size (int): odd kernel of the depth-wise conv on V. Default: 5.
+        kernel_size (int): odd kernel of the depth-wise conv (DWC) on V, 0 for
+            none; only designs with a DWC (focused, angular) have one. Default: 5.
         pos_grid (int | tuple[int, int]): the key grid (h, w) on which the
             learnable positional encoding is defined, i.e. the key grid at the
             pretraining resolution. It is resized bilinearly to the key grid of
@@ -76,6 +85,8 @@ class FocusedLinearAttention(nn.Module):
         lepe (bool): also add CSWin's locally-enhanced positional encoding,
             a 3x3 depth-wise conv over all C channels of V (``get_v``), as
             FLatten-CSwin does; needs ``sr_ratio=1``. Default: False.
+        design (str): the formula (:mod:`~flatten_mm.models.designs`): ``focused`` (FLatten's,
+            default), ``relu``, ``efficient``, ``hydra``, ``angular``, ``efficientvit``.
     """
 
     def __init__(self,
@@ -88,10 +99,12 @@ class FocusedLinearAttention(nn.Module):
                  pos_grid=14,
                  attn_drop: float = 0.,
                  proj_drop: float = 0.,
-                 lepe: bool = False):
+                 lepe: bool = False,
+                 design: str = 'focused'):
         super().__init__()
         check_attention_args(embed_dims, num_heads, sr_ratio, focusing_factor, kernel_size,
-                             attn_drop, lepe)
+                             attn_drop, lepe, design)
+        self.attn_design, self._design = design, get_design(design)
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
@@ -101,27 +114,22 @@ class FocusedLinearAttention(nn.Module):
         self.pos_grid = to_2tuple_checked('pos_grid', pos_grid)
 
         add_projections(self, embed_dims, qkv_bias, sr_ratio, proj_drop)
-        # one depth-wise conv of d channels, shared by all heads
-        self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size,
-                             padding=kernel_size // 2, groups=self.head_dims)
+        if kernel_size and self._design.dwc:  # one d-channel depth-wise conv, shared by all heads
+            self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size,
+                                 padding=kernel_size // 2, groups=self.head_dims)
         if lepe:
             self.get_v = nn.Conv2d(embed_dims, embed_dims, 3, padding=1, groups=embed_dims)
-        self.scale = nn.Parameter(torch.zeros(1, 1, embed_dims))
+        self._design.add_parameters(self)  # focused: scale
         self.positional_encoding = nn.Parameter(
             torch.zeros(1, self.pos_grid[0] * self.pos_grid[1], embed_dims))
 
     def extra_repr(self) -> str:
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
                 f'sr_ratio={self.sr_ratio}, focusing_factor={self.focusing_factor}, '
-                f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}')
+                f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}, '
+                f'design={self.attn_design!r}')
 
-    def __prepare_scriptable__(self):
-        # torch.jit.script calls this on every submodule before compiling
-        raise RuntimeError(
-            'FLatten models do not support torch.jit.script (deprecated by PyTorch, and '
-            'their attention is a custom autograd function it cannot compile); use '
-            'torch.compile, torch.export or torch.onnx.export (any input size), or '
-            'torch.jit.trace (the traced input size only)')
+    __prepare_scriptable__ = _not_scriptable  # torch.jit.script calls it on every submodule
 
     def positional_encoding_for(self, grid: HWShape) -> Tensor:
         """The positional encoding resized to a key grid, (1, h*w, C)."""
@@ -151,25 +159,23 @@ class FocusedLinearAttention(nn.Module):
         k = self.add_positional_encoding_(k, grid)
         return q, k, v, grid
 
-    def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:
-        """DWC(V) on the query grid, (B, N, C). One d-channel kernel per head.
+    def conv_on_grid(self, x: Tensor, grid: HWShape, conv, size: Optional[HWShape] = None
+                     ) -> Tensor:
+        """``conv`` (a function of a (B, C', h, w) map) of tokens x on ``grid``
+        (resized bilinearly to ``size`` if given), as tokens: every conv on the grid
+        (DWC, LePE, EfficientViT's aggregation). The map is a channels-last view of
+        x's memory and a conv's output is channels-last too: no copies."""
+        x_map = tokens_to_map(x, grid)
+        if size is not None and tuple(grid) != tuple(size):
+            x_map = F.interpolate(x_map, size=tuple(size), mode='bilinear', align_corners=False)
+        return map_to_tokens(conv(x_map))
 
-        The conv runs on V's own memory as a channels-last map, and its
-        output is channels-last too, i.e. (B, N, C) tokens again: no copies."""
-        v_map = tokens_to_map(v, grid)
-        if tuple(grid) != tuple(hw_shape):
-            v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear',
-                                  align_corners=False)
-        weight = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
-        bias = self.dwc.bias.repeat(self.num_heads)
-        if hasattr(self, 'get_v'):
-            # DWC(V) + LePE(V) is one depth-wise conv: both are centred and
-            # zero-padded, so their kernels add (the smaller one zero-padded)
-            k = max(weight.shape[-1], 3)
-            weight = F.pad(weight, [(k - weight.shape[-1]) // 2] * 4) + \
-                F.pad(self.get_v.weight, [(k - 3) // 2] * 4)
-            bias = bias + self.get_v.bias
-        return map_to_tokens(depthwise_conv(v_map, weight, bias))
+    def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Optional[Tensor]:
+        """DWC(V) (+ LePE(V)) on the query grid, (B, N, C); None without either."""
+        kernel = local_kernel(self)
+        if kernel is None:
+            return None
+        return self.conv_on_grid(v, grid, lambda m: depthwise_conv(m, *kernel), hw_shape)
 
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
         """
@@ -187,14 +193,16 @@ class FocusedLinearAttention(nn.Module):
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
-        out = self.attend(q, k, v, key_mask, overwrite_qk=True)  # q, k are ours
-        out = out.add_(self.depthwise_conv(v, grid, hw_shape))  # attend's own buffer
+        out = self.attend(q, k, v, key_mask, overwrite_qk=True, grids=(hw_shape, grid))
+        local = self.depthwise_conv(v, grid, hw_shape)
+        if local is not None:  # into attend's own buffer (efficientvit: its first scale)
+            (out if out.shape[-1] == local.shape[-1] else out[..., :local.shape[-1]]).add_(local)
         return self.proj_drop(self.proj(out))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
-               overwrite_qk: bool = False) -> Tensor:
-        """Focused mapping and linear attention of projected q, k, v (the core
-        op, :func:`~flatten_mm.models.ops.focused_linear_attention`). With
-        ``overwrite_qk``, q and k may be overwritten when no gradient is recorded."""
-        return focused_linear_attention(q, k, v, self.scale, self.focusing_factor,
-                                        self.num_heads, key_mask, overwrite_qk)
+               overwrite_qk: bool = False, grids: Optional[Tuple[HWShape, HWShape]] = None
+               ) -> Tensor:
+        """The design's attention term of projected q, k, v (focused: the core op
+        :func:`~flatten_mm.models.ops.focused_linear_attention`, which may overwrite q, k
+        if ``overwrite_qk`` and no gradient is recorded); ``grids``: (query, key grid)."""
+        return self._design.attend(self, q, k, v, key_mask, overwrite_qk, grids)

@@ -149,7 +149,9 @@ def test_gradients_reach_every_parameter():
 @pytest.mark.parametrize('kwargs,match', [
     (dict(embed_dims=30, num_heads=4), 'divisible'),
     (dict(embed_dims=32, num_heads=4, kernel_size=4), 'kernel_size must be odd'),
-    (dict(embed_dims=32, num_heads=4, kernel_size=0), 'kernel_size'),
+    (dict(embed_dims=32, num_heads=4, kernel_size=-1), 'kernel_size must be odd .* or 0 for no DWC; got -1'),
+    (dict(embed_dims=32, num_heads=4, kernel_size=2.0), 'kernel_size .* got 2.0'),
+    (dict(embed_dims=32, num_heads=4, design='softmax'), "design must be one of .*'focused'.*got 'softmax'"),
     (dict(embed_dims=32, num_heads=4, sr_ratio=0), 'sr_ratio'),
     (dict(embed_dims=32, num_heads=4, focusing_factor=-1), 'focusing_factor'),
     (dict(embed_dims=32, num_heads=4, pos_grid=(3, 0)), 'pos_grid'),

@@ -4,6 +4,7 @@ import numbers
 import warnings
 from typing import Tuple
 
+from ..designs import check_design, check_kernel_size
 from ..layers import check_attn_type, check_stage_list
 from ..utils import HWShape, check_heads, check_number, check_positive_int, to_2tuple_checked
 
@@ -41,9 +42,11 @@ def check_stages(attn_type: str, embed_dims, depths, num_heads, mlp_ratios=None,
 
 def check_backbone_args(attn_type: str, in_channels: int, pretrain_img_size,
                         focusing_factor: float, kernel_size: int, drop_rate: float,
-                        attn_drop_rate: float, drop_path_rate: float) -> HWShape:
-    """The scalar arguments every family takes, validated; returns
-    ``pretrain_img_size`` as (h, w).
+                        attn_drop_rate: float, drop_path_rate: float,
+                        attn_design: str = 'focused') -> HWShape:
+    """The scalar arguments every family takes, validated (``attn_design``:
+    one of :data:`~flatten_mm.models.designs.DESIGNS`, the formula of the
+    ``L`` stages); returns ``pretrain_img_size`` as (h, w).
 
     ``attn_drop_rate`` drops softmax attention weights, which only ``S``
     stages form: with no ``S`` stage a non-zero rate is an error, and with
@@ -51,10 +54,8 @@ def check_backbone_args(attn_type: str, in_channels: int, pretrain_img_size,
     check_positive_int('in_channels', in_channels)
     img = to_2tuple_checked('pretrain_img_size', pretrain_img_size, PRETRAIN_MIN_SIZE)
     check_number('focusing_factor', focusing_factor, low_open=True)
-    check_positive_int('kernel_size', kernel_size)
-    if kernel_size % 2 == 0:
-        raise ValueError(f'kernel_size must be odd (the DWC keeps the grid size), '
-                         f'got {kernel_size}')
+    check_kernel_size(kernel_size)
+    check_design(attn_design, 'attn_design')
     for name, rate in (('drop_rate', drop_rate), ('attn_drop_rate', attn_drop_rate),
                        ('drop_path_rate', drop_path_rate)):
         if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or \

@@ -104,14 +104,16 @@ class CSwinBlock(nn.Module):
     def __init__(self, embed_dims: int, num_heads: int, attn_type: str,
                  stripe: Optional[int], pos_grid: HWShape, focusing_factor: float,
                  kernel_size: int, mlp_ratio: float = 4., qkv_bias: bool = True,
-                 drop: float = 0., attn_drop: float = 0., drop_path: float = 0.):
+                 drop: float = 0., attn_drop: float = 0., drop_path: float = 0.,
+                 attn_design: str = 'focused'):
         super().__init__()
         self.linear = attn_type == 'L'
         self.norm1 = nn.LayerNorm(embed_dims)
         if self.linear:
             self.attns = nn.ModuleList([FocusedLinearAttention(
                 embed_dims, num_heads, qkv_bias=qkv_bias, focusing_factor=focusing_factor,
-                kernel_size=kernel_size, pos_grid=pos_grid, proj_drop=drop, lepe=True)])
+                kernel_size=kernel_size, pos_grid=pos_grid, proj_drop=drop, lepe=True,
+                design=attn_design)])
         else:
             if stripe is None:
                 branches = [LePEAttention(embed_dims, num_heads, None, attn_drop=attn_drop)]
@@ -208,7 +210,12 @@ class FLattenCSwin(SwinLikeBackbone):
             resolution and are resized to each input, and a softmax stage whose
             stripe covers its pretraining grid has one branch. Default: 224.
         focusing_factor (float): p of the focused mapping. Default: 3.
-        kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
+        kernel_size (int): odd kernel of the rank-restoring DWC, 0 for none
+            (designs with a DWC: focused, angular). Default: 5.
+        attn_design (str): the formula of the ``L`` stages' attention:
+            ``focused`` (FLatten's), ``relu``, ``efficient``, ``hydra``,
+            ``angular`` or ``efficientvit`` (docs/attention_designs.md).
+            Default: ``focused``.
         mlp_ratio (float): MLP hidden ratio. Default: 4.
         qkv_bias (bool): bias in the qkv projections. Default: True.
         drop_rate, attn_drop_rate (float): dropout rates, in [0, 1); the
@@ -239,6 +246,7 @@ class FLattenCSwin(SwinLikeBackbone):
                  pretrain_img_size=224,
                  focusing_factor: float = 3,
                  kernel_size: int = 5,
+                 attn_design: str = 'focused',
                  mlp_ratio: float = 4.,
                  qkv_bias: bool = True,
                  drop_rate: float = 0.,
@@ -254,7 +262,7 @@ class FLattenCSwin(SwinLikeBackbone):
             arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,
             pretrain_img_size=pretrain_img_size, focusing_factor=focusing_factor,
             kernel_size=kernel_size, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
-            drop_path_rate=drop_path_rate)
+            drop_path_rate=drop_path_rate, attn_design=attn_design)
         attn_type = self.attn_type
         split_size = check_stage_list('split_size', split_size, 4, positive_ints=True)
 
@@ -275,7 +283,8 @@ class FLattenCSwin(SwinLikeBackbone):
                            None if whole else split_size[i], pos_grid=grid,
                            focusing_factor=focusing_factor, kernel_size=kernel_size,
                            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate,
-                           attn_drop=attn_drop_rate, drop_path=dpr[sum(depths[:i]) + j])
+                           attn_drop=attn_drop_rate, drop_path=dpr[sum(depths[:i]) + j],
+                           attn_design=attn_design)
                 for j in range(depths[i])]))
         self._add_output_norms(out_indices)
         self.stages = nn.ModuleList(CSwinStage(i) for i in range(4))

@@ -30,7 +30,7 @@ class PVTBlock(nn.Module):
                  attn_type: str, sr_ratio: int, pos_grid: HWShape,
                  focusing_factor: float, kernel_size: int, qkv_bias: bool = True,
                  drop: float = 0., attn_drop: float = 0., drop_path: float = 0.,
-                 with_dwconv: bool = False):
+                 with_dwconv: bool = False, attn_design: str = 'focused'):
         super().__init__()
         self.norm1 = nn.LayerNorm(embed_dims, eps=1e-6)
         if attn_type == 'L':
@@ -38,7 +38,7 @@ class PVTBlock(nn.Module):
                 embed_dims, num_heads, qkv_bias=qkv_bias, sr_ratio=sr_ratio,
                 focusing_factor=focusing_factor, kernel_size=kernel_size,
                 pos_grid=(max(pos_grid[0] // sr_ratio, 1), max(pos_grid[1] // sr_ratio, 1)),
-                proj_drop=drop)
+                proj_drop=drop, design=attn_design)
         else:
             self.attn = SpatialReductionAttention(
                 embed_dims, num_heads, qkv_bias=qkv_bias, sr_ratio=sr_ratio,
@@ -103,6 +103,7 @@ class FLattenPyramid(FLattenBackbone):
                  sr_ratios: Optional[Sequence[int]] = None,
                  focusing_factor: float = 3,
                  kernel_size: int = 5,
+                 attn_design: str = 'focused',
                  pretrain_img_size=224,
                  qkv_bias: bool = True,
                  drop_rate: float = 0.,
@@ -123,12 +124,13 @@ class FLattenPyramid(FLattenBackbone):
                                         attn_type, sr_ratios)
         img = check_backbone_args(self.attn_type, in_channels, pretrain_img_size,
                                   focusing_factor, kernel_size, drop_rate, attn_drop_rate,
-                                  drop_path_rate)
+                                  drop_path_rate, attn_design)
         # the token grid of each stage at the pretraining resolution
         self.pos_grids = [stage_grid(img, i) for i in range(4)]
         dpr = drop_path_rates(drop_path_rate, sum(self.depths))
         layer = dict(focusing_factor=focusing_factor, kernel_size=kernel_size,
-                     qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate)
+                     qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
+                     attn_design=attn_design)
         for i in range(4):
             first = sum(self.depths[:i])
             self._build_stage(i, in_channels if i == 0 else self.embed_dims[i - 1],
@@ -202,7 +204,12 @@ class FLattenPVT(FLattenPyramid):
             1 for ``L`` stages (every query sees every token, as released) and
             PVT's 8, 4, 2, 1 for ``S`` stages.
         focusing_factor (float): p of the focused mapping. Default: 3.
-        kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
+        kernel_size (int): odd kernel of the rank-restoring DWC, 0 for none
+            (designs with a DWC: focused, angular). Default: 5.
+        attn_design (str): the formula of the ``L`` stages' attention:
+            ``focused`` (FLatten's), ``relu``, ``efficient``, ``hydra``,
+            ``angular`` or ``efficientvit`` (docs/attention_designs.md).
+            Default: ``focused``.
         pretrain_img_size (int | tuple): resolution the position embeddings
             and encodings were learnt at; they are resized to each input.
             At least 32 (every stage needs a token). Default: 224.

@@ -43,7 +43,7 @@ class SwinBlock(nn.Module):
                  window: Optional[HWShape], shift: bool, pos_grid: HWShape,
                  focusing_factor: float, kernel_size: int, mlp_ratio: float = 4.,
                  qkv_bias: bool = True, drop: float = 0., attn_drop: float = 0.,
-                 drop_path: float = 0.):
+                 drop_path: float = 0., attn_design: str = 'focused'):
         super().__init__()
         self.window = window
         self.shift = shift and window is not None
@@ -52,7 +52,7 @@ class SwinBlock(nn.Module):
         if self.linear:
             self.attn = FocusedLinearAttention(
                 embed_dims, num_heads, qkv_bias=qkv_bias, focusing_factor=focusing_factor,
-                kernel_size=kernel_size, pos_grid=pos_grid, proj_drop=drop)
+                kernel_size=kernel_size, pos_grid=pos_grid, proj_drop=drop, design=attn_design)
         else:
             self.attn = WindowSoftmaxAttention(embed_dims, num_heads, window, qkv_bias,
                                                attn_drop, drop)
@@ -146,7 +146,12 @@ class FLattenSwin(SwinLikeBackbone):
             attention's positional encodings live on the stage grids at this
             resolution and are resized to each input. Default: 224.
         focusing_factor (float): p of the focused mapping. Default: 3.
-        kernel_size (int): odd kernel of the rank-restoring DWC. Default: 5.
+        kernel_size (int): odd kernel of the rank-restoring DWC, 0 for none
+            (designs with a DWC: focused, angular). Default: 5.
+        attn_design (str): the formula of the ``L`` stages' attention:
+            ``focused`` (FLatten's), ``relu``, ``efficient``, ``hydra``,
+            ``angular`` or ``efficientvit`` (docs/attention_designs.md).
+            Default: ``focused``.
         mlp_ratio (float): MLP hidden ratio. Default: 4.
         qkv_bias (bool): bias in the qkv projections. Default: True.
         drop_rate, attn_drop_rate (float): dropout rates, in [0, 1); the
@@ -178,6 +183,7 @@ class FLattenSwin(SwinLikeBackbone):
                  pretrain_img_size=224,
                  focusing_factor: float = 3,
                  kernel_size: int = 5,
+                 attn_design: str = 'focused',
                  mlp_ratio: float = 4.,
                  qkv_bias: bool = True,
                  drop_rate: float = 0.,
@@ -193,7 +199,7 @@ class FLattenSwin(SwinLikeBackbone):
             arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,
             pretrain_img_size=pretrain_img_size, focusing_factor=focusing_factor,
             kernel_size=kernel_size, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
-            drop_path_rate=drop_path_rate)
+            drop_path_rate=drop_path_rate, attn_design=attn_design)
         attn_type = self.attn_type
         window = to_2tuple_checked('window_size', window_size)
         lin_window = None if linear_window is None else \
@@ -210,7 +216,7 @@ class FLattenSwin(SwinLikeBackbone):
                                 shift=j % 2 == 1, pos_grid=grid,
                                 focusing_factor=focusing_factor, kernel_size=kernel_size,
                                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate,
-                                attn_drop=attn_drop_rate,
+                                attn_drop=attn_drop_rate, attn_design=attn_design,
                                 drop_path=dpr[sum(depths[:i]) + j])
                       for j in range(depths[i])]
             self.layers.append(SwinLayer(blocks, PatchMerging(dims[i]) if i < 3 else None))
