@@ -72,12 +72,46 @@ def test_bad_specs_stop_before_any_training(shapes, tmp_path, designs, message):
     assert not list(work.glob('*/*/*.log'))  # no run started
 
 
-def test_a_knob_of_another_design_is_refused():
+def test_knobs_go_with_their_designs():
+    """focusing_factor is the focused design's; kernel_size (0: no DWC) that
+    of every design with a DWC (focused, angular)."""
     tool = load_tool()
-    designs = ('focused', 'relu')
+    designs = tool.known_designs()
     with pytest.raises(ValueError, match=r"knob 'kernel_size' in 'relu:kernel_size=3': design "
                                          r"'relu' takes no knobs"):
         tool.parse_spec('relu:kernel_size=3', designs)
+    with pytest.raises(ValueError, match=r"knob 'focusing_factor' in 'angular:focusing_factor=2': "
+                                         r"design 'angular' takes \['kernel_size'\]"):
+        tool.parse_spec('angular:focusing_factor=2', designs)
+    assert tool.parse_spec('angular:kernel_size=0', designs).knobs == {'kernel_size': 0}
     spec = tool.parse_spec('focused:focusing_factor=2,kernel_size=3', designs)
     assert spec.knobs == {'focusing_factor': 2.0, 'kernel_size': 3}
     assert spec.slug == 'focused_focusing_factor-2_kernel_size-3'
+
+
+def test_specs_set_the_backbone_arguments(shapes, tmp_path):
+    """attn_design and the knobs land in model.backbone of each run's config,
+    with the run's iterations, seed, determinism and work dir."""
+    tool = load_tool()
+    _, args = tool.parse_args([CONFIG, '--designs', 'x', '--iters', '7', '--seed', '3',
+                               '--work-dir', str(tmp_path), *data_options(shapes)])
+    spec = tool.parse_spec('focused:kernel_size=0', tool.known_designs())
+    cfg = tool.run_config(args, spec)
+    assert cfg.model.backbone.attn_design == 'focused' and cfg.model.backbone.kernel_size == 0
+    assert cfg.train_cfg.max_iters == 7 and cfg.train_cfg.val_interval == 7
+    assert cfg.randomness == dict(seed=3, deterministic=True)
+    assert cfg.work_dir == str(tmp_path / 'focused_kernel_size-0')
+    assert cfg.default_hooks.checkpoint is None
+
+
+def test_an_epoch_based_config_runs_by_iterations(tmp_path):
+    """The ImageNet configs (epochs) become --iters iterations, their
+    epoch-stepped schedulers stepped per iteration."""
+    tool = load_tool()
+    config = osp.join(ROOT, 'configs/attention_designs/flatten-swin-t_hydra-attn_8xb128_in1k.py')
+    _, args = tool.parse_args([config, '--iters', '5', '--work-dir', str(tmp_path)])
+    cfg = tool.run_config(args, tool.parse_spec('hydra', tool.known_designs()))
+    assert cfg.model.backbone.attn_design == 'hydra'
+    assert cfg.train_cfg == dict(type='IterBasedTrainLoop', max_iters=5, val_interval=5)
+    assert all(s.convert_to_iter_based for s in cfg.param_scheduler if s.get('by_epoch', True))
+    assert cfg.log_processor.by_epoch is False and cfg.default_hooks.checkpoint is None

@@ -38,8 +38,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / 'tools'), str(Path(__file__).resolve().par
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.hooks import Hook  # noqa: E402
 
-# knobs a design takes on the command line, and the type of their values
-KNOBS = {'focused': {'focusing_factor': float, 'kernel_size': int}}
+# the knobs a design spec may set, and the type of their values
+KNOB_TYPES = {'focusing_factor': float, 'kernel_size': int}
 PREFERRED_METRICS = ('mIoU', )  # chosen over a first key that is a side figure (aAcc)
 FIELDS = ['design', 'attn_design', 'knobs', 'params_M', 'flops_G', 'train_step_s',
           'infer_ms_per_img', 'metric', 'value', 'work_dir']
@@ -47,8 +47,24 @@ FIELDS = ['design', 'attn_design', 'knobs', 'params_M', 'flops_G', 'train_step_s
 
 def known_designs() -> tuple:
     """The attention designs the installed flatten_mm offers."""
-    from flatten_mm.models import attention
-    return tuple(getattr(attention, 'ATTN_DESIGNS', None) or ('focused', ))
+    try:
+        from flatten_mm.models.designs import DESIGNS
+    except ImportError:  # a flatten_mm before the designs: FLatten's own only
+        return ('focused', )
+    return tuple(DESIGNS)
+
+
+def design_knobs(name: str) -> Dict[str, type]:
+    """The knobs of design ``name``: ``focusing_factor`` (p) is the focused
+    design's, ``kernel_size`` (the DWC on V, 0 for none) that of every design
+    with a DWC."""
+    try:
+        from flatten_mm.models.designs import DESIGNS
+        dwc = DESIGNS[name].dwc
+    except ImportError:
+        dwc = name == 'focused'
+    names = (['focusing_factor'] if name == 'focused' else []) + (['kernel_size'] if dwc else [])
+    return {k: KNOB_TYPES[k] for k in names}
 
 
 class Spec(NamedTuple):
@@ -68,7 +84,7 @@ def parse_spec(text: str, designs: tuple) -> Spec:
     if name not in designs:
         raise ValueError(f'unknown attention design {name!r} in {text!r}; '
                          f'choose from {list(designs)}')
-    allowed = KNOBS.get(name, {})
+    allowed = design_knobs(name)
     knobs = {}
     for item in filter(None, rest.split(',')):
         key, eq, value = item.partition('=')
