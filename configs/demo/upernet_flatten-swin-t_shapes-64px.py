@@ -2,11 +2,11 @@
 # (upernet_flatten-swin-t_shapes.py with the images resized to 64x64, scored
 # at the original size): the short dense run of
 # tools/analysis_tools/compare_attention.py, which trains it once per
-# attention design on 2 CPU cores (300 iterations, evaluation at the end).
+# attention design on 2 CPU cores (400 iterations, evaluation at the end).
 _base_ = './upernet_flatten-swin-t_shapes.py'
 
 img_size = (64, 64)
-max_iters = 300
+max_iters = 400
 model = dict(data_preprocessor=dict(size=img_size))
 train_pipeline = [
     dict(type='LoadImageFromFile'),
