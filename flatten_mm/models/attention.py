@@ -20,10 +20,15 @@ from .utils import (HWShape, add_projections, check_heads, check_number, check_p
 
 
 def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
-                         kernel_size: int, attn_drop: float, lepe: bool) -> None:
+                         kernel_size: int, attn_drop: float, lepe: bool,
+                         num_prefix_tokens: int = 0) -> None:
     """The checks of :class:`FocusedLinearAttention`'s arguments (ValueError)."""
     check_heads(embed_dims, num_heads)
     check_positive_int('sr_ratio', sr_ratio)
+    check_positive_int('num_prefix_tokens', num_prefix_tokens, minimum=0)
+    if num_prefix_tokens and sr_ratio > 1:
+        raise ValueError(f'num_prefix_tokens needs sr_ratio=1 (prefix tokens have no place '
+                         f'on the reduced grid), got sr_ratio={sr_ratio}')
     check_positive_int('kernel_size', kernel_size)
     if kernel_size % 2 == 0:
         raise ValueError(f'kernel_size must be odd (the DWC keeps the grid '
@@ -38,16 +43,33 @@ def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusin
 
 
 def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor],
-                          embed_dims: int, sr_ratio: int) -> None:
+                          embed_dims: int, sr_ratio: int, num_prefix_tokens: int = 0) -> None:
     """The checks of :meth:`FocusedLinearAttention.forward`'s input (ValueError)."""
     if x.dim() != 3 or x.shape[-1] != embed_dims:
         raise ValueError(f'x must be (B, N, {embed_dims}), got {tuple(x.shape)}')
     H, W = hw_shape
-    if H * W != x.shape[1]:
-        raise ValueError(f'hw_shape {tuple(hw_shape)} does not match N={x.shape[1]}')
+    if num_prefix_tokens + H * W != x.shape[1]:
+        prefix = f' and {num_prefix_tokens} prefix token(s)' if num_prefix_tokens else ''
+        raise ValueError(f'hw_shape {tuple(hw_shape)}{prefix} does not match N={x.shape[1]}')
     if key_mask is not None and sr_ratio > 1:
         raise ValueError('key_mask needs sr_ratio=1: reduced keys mix padded '
                          f'and real tokens (sr_ratio={sr_ratio})')
+
+
+def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
+    """The last H*W tokens of (B, P + H*W, C) ``x``, those on the grid (a
+    view; ``x`` itself when there is no prefix token)."""
+    return x[:, num_prefix_tokens:] if num_prefix_tokens else x
+
+
+def refuse_torchscript(module: nn.Module):
+    """``__prepare_scriptable__`` of the layer: torch.jit.script calls it on
+    every submodule before compiling."""
+    raise RuntimeError(
+        'FLatten models do not support torch.jit.script (deprecated by PyTorch, and '
+        'their attention is a custom autograd function it cannot compile); use '
+        'torch.compile, torch.export or torch.onnx.export (any input size), or '
+        'torch.jit.trace (the traced input size only)')
 
 
 class FocusedLinearAttention(nn.Module):
@@ -76,6 +98,9 @@ class FocusedLinearAttention(nn.Module):
         lepe (bool): also add CSWin's locally-enhanced positional encoding,
             a 3x3 depth-wise conv over all C channels of V (``get_v``), as
             FLatten-CSwin does; needs ``sr_ratio=1``. Default: False.
+        num_prefix_tokens (int): tokens before the grid's (a class token): x is
+            (B, P + H*W, C). They enter φ(K)ᵀV and the normaliser like any
+            token, get no positional encoding and no DWC term. Default: 0.
     """
 
     def __init__(self,
@@ -88,10 +113,12 @@ class FocusedLinearAttention(nn.Module):
                  pos_grid=14,
                  attn_drop: float = 0.,
                  proj_drop: float = 0.,
-                 lepe: bool = False):
+                 lepe: bool = False,
+                 num_prefix_tokens: int = 0):
         super().__init__()
         check_attention_args(embed_dims, num_heads, sr_ratio, focusing_factor, kernel_size,
-                             attn_drop, lepe)
+                             attn_drop, lepe, num_prefix_tokens)
+        self.num_prefix_tokens = num_prefix_tokens
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
@@ -115,13 +142,7 @@ class FocusedLinearAttention(nn.Module):
                 f'sr_ratio={self.sr_ratio}, focusing_factor={self.focusing_factor}, '
                 f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}')
 
-    def __prepare_scriptable__(self):
-        # torch.jit.script calls this on every submodule before compiling
-        raise RuntimeError(
-            'FLatten models do not support torch.jit.script (deprecated by PyTorch, and '
-            'their attention is a custom autograd function it cannot compile); use '
-            'torch.compile, torch.export or torch.onnx.export (any input size), or '
-            'torch.jit.trace (the traced input size only)')
+    __prepare_scriptable__ = refuse_torchscript
 
     def positional_encoding_for(self, grid: HWShape) -> Tensor:
         """The positional encoding resized to a key grid, (1, h*w, C)."""
@@ -148,7 +169,7 @@ class FocusedLinearAttention(nn.Module):
         w, b = self.kv.weight, self.kv.bias
         k = F.linear(x, w[:C], None if b is None else b[:C])
         v = F.linear(x, w[C:], None if b is None else b[C:])
-        k = self.add_positional_encoding_(k, grid)
+        self.add_positional_encoding_(grid_tokens(k, self.num_prefix_tokens), grid)  # in place
         return q, k, v, grid
 
     def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:
@@ -174,8 +195,8 @@ class FocusedLinearAttention(nn.Module):
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
         """
         Args:
-            x (Tensor): (B, N, C) tokens, row-major on ``hw_shape``.
-            hw_shape (tuple[int, int]): (H, W) with H * W = N.
+            x (Tensor): (B, P + H*W, C) tokens, P = ``num_prefix_tokens``.
+            hw_shape (tuple[int, int]): (H, W), the grid of the last H*W, row-major.
             key_mask (Tensor, optional): (B, N) bool, False for padding
                 tokens, which then take no part in any query's attention
                 (only with ``sr_ratio=1``).
@@ -183,12 +204,14 @@ class FocusedLinearAttention(nn.Module):
         Returns:
             Tensor: (B, N, C).
         """
-        check_attention_input(x, hw_shape, key_mask, self.embed_dims, self.sr_ratio)
+        P = self.num_prefix_tokens
+        check_attention_input(x, hw_shape, key_mask, self.embed_dims, self.sr_ratio, P)
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
         out = self.attend(q, k, v, key_mask, overwrite_qk=True)  # q, k are ours
-        out = out.add_(self.depthwise_conv(v, grid, hw_shape))  # attend's own buffer
+        dwc = self.depthwise_conv(grid_tokens(v, P), grid, hw_shape)  # none for prefix tokens
+        grid_tokens(out, P).add_(dwc)  # attend's own buffer
         return self.proj_drop(self.proj(out))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
