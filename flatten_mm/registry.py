@@ -1,6 +1,6 @@
 """Puts the FLatten backbones into the registries of whatever is installed:
 mmdet's, mmseg's and mmpretrain's ``MODELS`` (as ``FLattenPVT``,
-``FLattenPVTv2``, ``FLattenSwin``, ``FLattenCSwin``) and timm's model registry (the ImageNet classifiers).
+``FLattenPVTv2``, ``FLattenSwin``, ``FLattenCSwin``, ``FLattenDeiT``) and timm's model registry (the ImageNet classifiers).
 
 Each library is optional: an environment with only mmseg, only timm, or none
 of them (a bare torch + mmengine machine) imports flatten_mm all the same.
@@ -9,9 +9,9 @@ import importlib
 import importlib.util
 from typing import List
 
-from .models.backbones import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
+from .models.backbones import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
 
-BACKBONES = (FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin)
+BACKBONES = (FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin, FLattenDeiT)
 OPENMMLAB_SCOPES = ('mmdet', 'mmseg', 'mmpretrain')
 
 # timm model name -> (classifier kind, arch, extra kwargs): what tools need to
