@@ -44,6 +44,11 @@ def arch_from_dict(arch: dict, overrides: dict) -> dict:
     return preset
 
 
+def quarter_ends(depth: int) -> tuple:
+    """The last block of each quarter of ``depth`` blocks: (2, 5, 8, 11) for 12."""
+    return tuple(sorted({max(depth * q // 4 - 1, 0) for q in range(1, 5)}))
+
+
 def fit_pos_embed(pe: Tensor, own: Tensor, grid: HWShape) -> Tensor:
     """A position embedding (1, 1 + s*s, C) learnt on another square grid,
     its grid part resized (bilinear) to ``grid``, the model's; anything else
@@ -166,8 +171,9 @@ class FLattenDeiT(FLattenBackbone):
             blocks, in [0, 1) (an error with no ``S`` block). Default: 0.
         drop_path_rate (float): stochastic depth, linear over the blocks,
             in [0, 1). Default: 0.1.
-        out_indices (Sequence[int]): blocks whose outputs are returned,
-            distinct and increasing. Default: (2, 5, 8, 11).
+        out_indices (Sequence[int], optional): blocks whose outputs are
+            returned, distinct and increasing. Default: the last block of each
+            quarter of the depth, (2, 5, 8, 11) for 12 blocks.
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the patch
             and position embeddings, the class token and the first k blocks.
             Default: -1.
@@ -202,7 +208,7 @@ class FLattenDeiT(FLattenBackbone):
                  drop_rate: float = 0.,
                  attn_drop_rate: float = 0.,
                  drop_path_rate: float = 0.1,
-                 out_indices: Sequence[int] = (2, 5, 8, 11),
+                 out_indices: Optional[Sequence[int]] = None,
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
@@ -231,6 +237,7 @@ class FLattenDeiT(FLattenBackbone):
         if final_norm:
             self.norm = nn.LayerNorm(dims, eps=1e-6)
         self.stages = nn.ModuleList(BlockStage(i) for i in range(self.depth))
+        out_indices = quarter_ends(self.depth) if out_indices is None else out_indices
         self._setup_outputs_and_freezing(out_indices, frozen_stages, norm_eval, with_cp,
                                          num_stages=self.depth)
 
