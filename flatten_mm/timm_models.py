@@ -180,8 +180,8 @@ def flatten_cswin_base_384(pretrained: bool = False, **kwargs) -> FLattenCSwinCl
 
 def _deit(variant: str, arch: str, pretrained: bool, **kwargs) -> FLattenDeiTClassifier:
     # features_only: blocks 3, 6, 9 and 12 by default (the dense backbone's)
-    return _create(FLattenDeiTClassifier, variant, pretrained, arch=arch,
-                   out_indices=(2, 5, 8, 11), **kwargs)
+    kwargs.setdefault('out_indices', (2, 5, 8, 11))
+    return _create(FLattenDeiTClassifier, variant, pretrained, arch=arch, **kwargs)
 
 
 @register_model
