@@ -62,6 +62,17 @@ def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
     return x[:, num_prefix_tokens:] if num_prefix_tokens else x
 
 
+def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
+    """k (B, P + h*w, C) plus ``layer``'s positional encoding on the grid's
+    keys (the last h*w), in place when there is no prefix key; prefix keys get
+    none, and are concatenated back (torch.export traces no in-place write
+    into a slice of k)."""
+    P = layer.num_prefix_tokens
+    if not P:
+        return layer.add_positional_encoding_(k, grid)
+    return torch.cat([k[:, :P], layer.add_positional_encoding_(k[:, P:].contiguous(), grid)], 1)
+
+
 def refuse_torchscript(module: nn.Module):
     """``__prepare_scriptable__`` of the layer: torch.jit.script calls it on
     every submodule before compiling."""
@@ -169,7 +180,7 @@ class FocusedLinearAttention(nn.Module):
         w, b = self.kv.weight, self.kv.bias
         k = F.linear(x, w[:C], None if b is None else b[:C])
         v = F.linear(x, w[C:], None if b is None else b[C:])
-        self.add_positional_encoding_(grid_tokens(k, self.num_prefix_tokens), grid)  # in place
+        k = encode_grid_keys(self, k, grid)
         return q, k, v, grid
 
     def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Tensor:

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from ...conversion import deit_convert
 from ..attention import FocusedLinearAttention
-from ..layers import DropPath, Mlp, check_attn_type, check_images, drop_path_rates
+from ..layers import (DropPath, Mlp, check_attn_type, check_images, drop_path_rates,
+                      stage_output)
 from ..resize import add_resized, cached_resize_parts, resize_tokens
 from ..utils import (HWShape, check_heads, check_number, check_positive_int, map_to_tokens,
                      pad_to_multiple)
@@ -288,20 +289,14 @@ class FLattenDeiT(FLattenBackbone):
         """Patch embedding, the position embedding resized to the grid, the
         class token (with its own position embedding) in front."""
         x, hw_shape = self.patch_embed(x)
-        parts = cached_resize_parts(self, 'pos_embed', self.pos_embed[:, 1:], self.pos_grid,
-                                    hw_shape)
+        # cached on a submodule: fx passes the root to a leaf function by name ('')
+        parts = cached_resize_parts(self.patch_embed, 'pos_embed', self.pos_embed[:, 1:],
+                                    self.pos_grid, hw_shape)
         x = add_resized(x, parts)
         if self.with_cls_token:
             cls = (self.cls_token + self.pos_embed[:, :1]).to(x.dtype)
             x = torch.cat([cls.expand(x.shape[0], -1, -1), x], dim=1)
         return self.pos_drop(x), hw_shape
-
-    def output_tokens(self, i: int, tokens: Tensor) -> Tensor:
-        """Block i's tokens as :meth:`forward` returns them: the final norm
-        after the last block, then the patch tokens (or the class token)."""
-        if self.final_norm and i == self.num_stages - 1:
-            tokens = self.norm(tokens)
-        return tokens[:, self.num_prefix_tokens:]
 
     def forward(self, x: Tensor):
         """
@@ -313,14 +308,13 @@ class FLattenDeiT(FLattenBackbone):
             ceil(H / p), ceil(W / p)) of its patch tokens (``featmap``), or
             its class token (B, C) (``cls_token``).
         """
-        if self.out_type == 'featmap':
-            return super().forward(x)
         outs = []
-        for i, tokens, _ in self.forward_stages(check_images(x)):
+        for i, tokens, hw_shape in self.forward_stages(check_images(x)):
             if i in self.out_indices:
-                tokens = self.norm(tokens) if self.final_norm and i == self.num_stages - 1 \
-                    else tokens
-                outs.append(tokens[:, 0])
+                if self.final_norm and i == self.num_stages - 1:
+                    tokens = self.norm(tokens)
+                outs.append(tokens[:, 0] if self.out_type == 'cls_token' else
+                            stage_output(tokens[:, self.num_prefix_tokens:], hw_shape))
         return tuple(outs)
 
     def convert_official(self, state_dict: dict) -> dict:
