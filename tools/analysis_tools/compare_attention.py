@@ -125,6 +125,9 @@ def parse_args(argv=None):
     parser.add_argument('--seed', type=int, default=0, help='the same for every design')
     parser.add_argument('--shape', type=int, nargs='+', default=None,
                         help='input H W for FLOPs (one number: square)')
+    parser.add_argument('--threads', type=int, default=None,
+                        help="torch's CPU threads (default: torch's choice); 1 keeps the "
+                        'times steady on a machine shared with other jobs')
     parser.add_argument('--metric', help='the evaluator key to report (default: its first)')
     parser.add_argument('--keep-checkpoints', action='store_true',
                         help="keep the config's checkpoint hook (off: no checkpoints)")
@@ -137,6 +140,8 @@ def parse_args(argv=None):
     if args.val_interval is not None and not 1 <= args.val_interval <= args.iters:
         parser.error(f'--val-interval must be between 1 and --iters ({args.iters}), '
                      f'got {args.val_interval}')
+    if args.threads is not None and args.threads < 1:
+        parser.error(f'--threads must be >= 1, got {args.threads}')
     if args.shape and (len(args.shape) not in (1, 2) or min(args.shape) < 1):
         parser.error(f'--shape takes H W or one size, got {args.shape}')
     return parser, args
@@ -361,6 +366,9 @@ def plot(rows: List[dict], path: Path) -> None:
 
 def main(argv=None):
     parser, args = parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     runs = prepare(args)
     rows = []
     for spec, cfg, cost in runs:
