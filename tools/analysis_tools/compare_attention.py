@@ -214,26 +214,36 @@ def to_iterations(cfg: Config, iters: int, val_interval: int) -> None:
 
 
 class Timing(Hook):
-    """Training and validation step times and the last evaluation's metrics."""
-    priority = 'VERY_LOW'
+    """Training and validation step times and the last evaluation's metrics.
+    It runs first after each iteration; its :class:`StartClock` runs last
+    before it, so other hooks' work (logging, schedulers) is not timed."""
+    priority = 'VERY_HIGH'
 
     def __init__(self):
-        self.train_s, self.val_s_per_img, self.metrics = [], [], {}
-
-    def before_train_iter(self, runner, batch_idx, data_batch=None):
-        self._t0 = time.perf_counter()
+        self.t0, self.train_s, self.val_s_per_img, self.metrics = None, [], [], {}
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
-        self.train_s.append(time.perf_counter() - self._t0)
-
-    def before_val_iter(self, runner, batch_idx, data_batch=None):
-        self._t0 = time.perf_counter()
+        self.train_s.append(time.perf_counter() - self.t0)
 
     def after_val_iter(self, runner, batch_idx, data_batch=None, outputs=None):
-        self.val_s_per_img.append((time.perf_counter() - self._t0) / max(len(outputs or ()), 1))
+        self.val_s_per_img.append((time.perf_counter() - self.t0) / max(len(outputs or ()), 1))
 
     def after_val_epoch(self, runner, metrics=None):
         self.metrics = dict(metrics or {})
+
+
+class StartClock(Hook):
+    """Starts :class:`Timing`'s clock, after every other hook's ``before_*_iter``."""
+    priority = 'VERY_LOW'
+
+    def __init__(self, timing: Timing):
+        self.timing = timing
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        self.timing.t0 = time.perf_counter()
+
+    def before_val_iter(self, runner, batch_idx, data_batch=None):
+        self.timing.t0 = time.perf_counter()
 
 
 def pick_metric(metrics: dict, wanted: str = None):
@@ -299,6 +309,7 @@ def train_one(spec: Spec, cfg: Config, cost: dict, metric: str = None) -> dict:
     runner = Runner.from_cfg(cfg)
     timing = Timing()
     runner.register_hook(timing)
+    runner.register_hook(StartClock(timing))
     runner.train()
     if not timing.metrics:  # no evaluation happened in training (no val loop)
         raise SystemExit(f'{spec.text}: the config has no validation (val_dataloader, '
