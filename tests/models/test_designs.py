@@ -344,6 +344,10 @@ def test_every_design_in_every_family_trains_at_odd_sizes(family, name):
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
     designs = {m.attn_design for m in model.modules() if isinstance(m, FocusedLinearAttention)}
     assert designs == {name}
+    other = build(family, attn_design=name)  # its checkpoints load back through the load hook
+    other.load_state_dict(model.state_dict())
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
 
 
 @pytest.mark.parametrize('family', sorted(FAMILIES))
