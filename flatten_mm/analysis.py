@@ -208,7 +208,9 @@ def attention_weights(module: nn.Module, x: Tensor, hw_shape: HWShape,
 
     Returns:
         tuple: focused weights (P, heads, n), softmax weights (P, heads,
-        n), and the key grid (h, w) with h * w = n.
+        n), and the key grid (h, w): n = h * w, or with the layer's prefix
+        tokens (a class token) n = num_prefix_tokens + h * w, the prefix keys
+        first.
     """
     _focused_only(module, 'attention_weights')
     if x.dim() != 3 or x.shape[0] != 1:
