@@ -104,11 +104,12 @@ def test_specs_set_the_backbone_arguments(shapes, tmp_path):
     assert cfg.default_hooks.checkpoint is None
 
 
-def test_an_epoch_based_config_runs_by_iterations(tmp_path):
+@pytest.mark.parametrize('model', ['swin', 'deit'])
+def test_an_epoch_based_config_runs_by_iterations(tmp_path, model):
     """The ImageNet configs (epochs) become --iters iterations, their
     epoch-stepped schedulers stepped per iteration."""
     tool = load_tool()
-    config = osp.join(ROOT, 'configs/attention_designs/flatten-swin-t_hydra-attn_8xb128_in1k.py')
+    config = osp.join(ROOT, f'configs/attention_designs/flatten-{model}-t_hydra-attn_8xb128_in1k.py')
     _, args = tool.parse_args([config, '--iters', '5', '--work-dir', str(tmp_path)])
     cfg = tool.run_config(args, tool.parse_spec('hydra', tool.known_designs()))
     assert cfg.model.backbone.attn_design == 'hydra'
