@@ -2,7 +2,7 @@
 mmdet, mmsegmentation and timm.
 
 Importing the package registers ``FLattenPVT``, ``FLattenPVTv2``,
-``FLattenSwin`` and ``FLattenCSwin`` in mmdet's, mmseg's and mmpretrain's ``MODELS`` (whichever are installed) and
+``FLattenSwin``, ``FLattenCSwin`` and ``FLattenDeiT`` in mmdet's, mmseg's and mmpretrain's ``MODELS`` (whichever are installed) and
 the ImageNet classifiers in timm, and lets mmengine load its own checkpoints
 under torch >= 2.6 (see :func:`flatten_mm.checkpoint.patch_mmengine_loading`), so ``custom_imports=dict(imports=['flatten_mm'])``
 in a config is all an OpenMMLab project needs.
@@ -10,8 +10,8 @@ in a config is all an OpenMMLab project needs.
 from .checkpoint import load_checkpoint_file, load_pretrained, patch_mmengine_loading
 from .engine import (EmptyDatasetHook, RandomStateHook, patch_empty_dataset_error,
                      setup_distributed)
-from .models import (FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention,
-                     focusing_map, linear_attention)
+from .models import (FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin,
+                     FocusedLinearAttention, focusing_map, linear_attention)
 from .registry import register_openmmlab, register_timm
 from .version import __version__
 
@@ -21,5 +21,6 @@ patch_mmengine_loading()
 patch_empty_dataset_error()
 
 __all__ = ['__version__', 'FocusedLinearAttention', 'focusing_map', 'linear_attention',
-           'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'FLattenCSwin', 'load_checkpoint_file',
+           'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'FLattenCSwin', 'FLattenDeiT',
+           'load_checkpoint_file',
            'load_pretrained', 'EmptyDatasetHook', 'RandomStateHook', 'setup_distributed']

@@ -208,7 +208,9 @@ def attention_weights(module: nn.Module, x: Tensor, hw_shape: HWShape,
 
     Returns:
         tuple: focused weights (P, heads, n), softmax weights (P, heads,
-        n), and the key grid (h, w) with h * w = n.
+        n), and the key grid (h, w): n = h * w, or with the layer's prefix
+        tokens (a class token) n = num_prefix_tokens + h * w, the prefix keys
+        first.
     """
     _focused_only(module, 'attention_weights')
     if x.dim() != 3 or x.shape[0] != 1:
@@ -233,19 +235,22 @@ def reference_forward(module: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor
     """The module's forward written step by step in the op order of the
     official release (ReLU, +eps, /scale, norms, power, renormalise, mean,
     two n^-1/2-scaled matmuls, DWC on (B*h, d, H, W)); V is resized to the
-    query grid in 2-D; no DWC with ``kernel_size=0``. Slow; kept as the
-    yardstick for tests and benchmarks. The focused design only.
+    query grid in 2-D; no DWC with ``kernel_size=0``. Prefix tokens
+    (``num_prefix_tokens``, a class token) take part in the attention like any
+    token, with no positional encoding and no DWC term (zero rows). Slow; kept
+    as the yardstick for tests and benchmarks. The focused design only.
     """
     _focused_only(module, 'reference_forward')
     B, N, C = x.shape
     h, d = module.num_heads, module.head_dims
+    P = getattr(module, 'num_prefix_tokens', 0)
     q = module.q(x)
     if module.sr_ratio > 1:
         x, grid = spatial_reduce(x, hw_shape, module.sr, module.norm)
     else:
         grid = tuple(hw_shape)
     k, v = module.kv(x).chunk(2, dim=-1)
-    k = k + module.positional_encoding_for(grid)
+    k = k + F.pad(module.positional_encoding_for(grid), (0, 0, P, 0))
     n = k.shape[1]
     scale = F.softplus(module.scale)
     q = (F.relu(q) + EPS) / scale
@@ -262,12 +267,13 @@ def reference_forward(module: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor
     z = 1 / (q @ k.mean(dim=-2, keepdim=True).transpose(-2, -1) + EPS)
     kv = (k.transpose(-2, -1) * n ** -0.5) @ (v * n ** -0.5)
     out = (q @ kv * z).transpose(1, 2).reshape(B, N, C)
+    v = v[:, :, P:]  # the grid's values
     v_map = v.transpose(-2, -1).reshape(B * h, d, grid[0], grid[1])
     if tuple(grid) != tuple(hw_shape):
         v_map = F.interpolate(v_map, size=tuple(hw_shape), mode='bilinear', align_corners=False)
     if hasattr(module, 'dwc'):
-        out = out + module.dwc(v_map).reshape(B, C, N).transpose(1, 2)
+        out = out + F.pad(module.dwc(v_map).reshape(B, C, N - P).transpose(1, 2), (0, 0, P, 0))
     if hasattr(module, 'get_v'):  # FLatten-CSwin's LePE, over all C channels of V
         lepe = module.get_v(v.transpose(-2, -1).reshape(B, C, grid[0], grid[1]))
-        out = out + lepe.reshape(B, C, N).transpose(1, 2)
+        out = out + F.pad(lepe.reshape(B, C, N - P).transpose(1, 2), (0, 0, P, 0))
     return module.proj_drop(module.proj(out))

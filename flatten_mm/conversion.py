@@ -8,6 +8,7 @@ out differently. Each family's renaming is one function on a whole state dict
 harmless on our own checkpoints:
 
 * :func:`pvt_convert` (FLatten-PVT, -PVTv2): the release's names are ours.
+* :func:`deit_convert` (FLatten-DeiT, never released): timm's DeiT names are ours.
 * :func:`swin_convert`: the linear attention's fused ``qkv`` is split into
   ``q`` and ``kv``; the stored cyclic-shift masks (``attn_mask``) are dropped
   (our windows need none).
@@ -53,6 +54,12 @@ def split_fused_qkv(state_dict: StateDict, prefix: str = '') -> StateDict:
 
 def pvt_convert(state_dict: StateDict) -> StateDict:
     """FLatten-PVT / -PVTv2 release -> ours: the same names."""
+    return state_dict
+
+
+def deit_convert(state_dict: StateDict) -> StateDict:
+    """FLatten-DeiT (no release; ours is the first) -> ours: the same names,
+    timm's DeiT names."""
     return state_dict
 
 

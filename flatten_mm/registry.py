@@ -1,6 +1,6 @@
 """Puts the FLatten backbones into the registries of whatever is installed:
 mmdet's, mmseg's and mmpretrain's ``MODELS`` (as ``FLattenPVT``,
-``FLattenPVTv2``, ``FLattenSwin``, ``FLattenCSwin``) and timm's model registry (the ImageNet classifiers).
+``FLattenPVTv2``, ``FLattenSwin``, ``FLattenCSwin``, ``FLattenDeiT``) and timm's model registry (the ImageNet classifiers).
 
 Each library is optional: an environment with only mmseg, only timm, or none
 of them (a bare torch + mmengine machine) imports flatten_mm all the same.
@@ -9,9 +9,9 @@ import importlib
 import importlib.util
 from typing import List
 
-from .models.backbones import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
+from .models.backbones import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
 
-BACKBONES = (FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin)
+BACKBONES = (FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin, FLattenDeiT)
 OPENMMLAB_SCOPES = ('mmdet', 'mmseg', 'mmpretrain')
 
 # timm model name -> (classifier kind, arch, extra kwargs): what tools need to
@@ -37,6 +37,9 @@ TIMM_MODELS = {
     'flatten_cswin_base': ('cswin', 'base', {}),
     'flatten_cswin_base_384': ('cswin', 'base', dict(pretrain_img_size=384,
                                                      split_size=(1, 2, 12, 12))),
+    'flatten_deit_tiny': ('deit', 'tiny', {}),
+    'flatten_deit_small': ('deit', 'small', {}),
+    'flatten_deit_base': ('deit', 'base', {}),
 }
 
 
@@ -80,10 +83,11 @@ def register_fx_leaves() -> None:
     from .models.attention import FocusedLinearAttention
     from .models.resize import add_resized, cached_resize_parts, resize_parts, resize_weights
     from .models.backbones.flatten_cswin import ConvStem, CSwinBlock
+    from .models.backbones.flatten_deit import ViTPatchEmbed
     from .models.backbones.flatten_swin import PatchMerging, SwinBlock
     from .models.layers import PatchEmbed, SpatialReductionAttention, check_images
     for module in (PatchEmbed, FocusedLinearAttention, SpatialReductionAttention,
-                   SwinBlock, PatchMerging, ConvStem, CSwinBlock):
+                   SwinBlock, PatchMerging, ConvStem, CSwinBlock, ViTPatchEmbed):
         register_notrace_module(module)
     for function in (cached_resize_parts, resize_parts, resize_weights, add_resized,
                      check_images):

@@ -11,16 +11,18 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from .conversion import checkpoint_filter_fn
-from .models.classifiers import (FLattenCSwinClassifier, FLattenPVTClassifier,
-                                 FLattenPVTv2Classifier, FLattenSwinClassifier)
+from .models.classifiers import (FLattenCSwinClassifier, FLattenDeiTClassifier,
+                                 FLattenPVTClassifier, FLattenPVTv2Classifier,
+                                 FLattenSwinClassifier)
 
 
 def _cfg(first_conv: str, size: int = 224, **kwargs) -> dict:
-    return dict(url='', num_classes=1000, input_size=(3, size, size),
-                pool_size=(size // 32, size // 32), fixed_input_size=False,
-                crop_pct=1.0 if size == 384 else 0.9, interpolation='bicubic',
-                mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
-                first_conv=first_conv, classifier='head', license='mit', **kwargs)
+    cfg = dict(url='', num_classes=1000, input_size=(3, size, size),
+               pool_size=(size // 32, size // 32), fixed_input_size=False,
+               crop_pct=1.0 if size == 384 else 0.9, interpolation='bicubic',
+               mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+               first_conv=first_conv, classifier='head', license='mit')
+    return dict(cfg, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
@@ -42,16 +44,20 @@ default_cfgs = generate_default_cfgs({
     'flatten_cswin_small': _cfg('stage1_conv_embed.0'),
     'flatten_cswin_base': _cfg('stage1_conv_embed.0'),
     'flatten_cswin_base_384': _cfg('stage1_conv_embed.0', size=384),
+    # FLatten-DeiT: no released weights; DeiT's evaluation settings (crop 0.875)
+    'flatten_deit_tiny': _cfg('patch_embed.proj', pool_size=None, crop_pct=0.875),
+    'flatten_deit_small': _cfg('patch_embed.proj', pool_size=None, crop_pct=0.875),
+    'flatten_deit_base': _cfg('patch_embed.proj', pool_size=None, crop_pct=0.875),
 })
 
 
-def _create(cls, variant: str, pretrained: bool = False, **kwargs):
+def _create(cls, variant: str, pretrained: bool = False, out_indices=(0, 1, 2, 3), **kwargs):
     return build_model_with_cfg(
         cls, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         # features_only: timm's getter over forward_intermediates, after
         # prune_intermediate_layers has dropped what the features do not use
-        feature_cfg=dict(feature_cls='getter', out_indices=(0, 1, 2, 3)),
+        feature_cfg=dict(feature_cls='getter', out_indices=out_indices),
         **kwargs)
 
 
@@ -170,3 +176,28 @@ def flatten_cswin_base_384(pretrained: bool = False, **kwargs) -> FLattenCSwinCl
     kwargs = dict(dict(pretrain_img_size=384, split_size=(1, 2, 12, 12)), **kwargs)
     return _create(FLattenCSwinClassifier, 'flatten_cswin_base_384', pretrained, arch='base',
                    **kwargs)
+
+
+def _deit(variant: str, arch: str, pretrained: bool, **kwargs) -> FLattenDeiTClassifier:
+    # features_only: blocks 3, 6, 9 and 12 by default (the dense backbone's)
+    kwargs.setdefault('out_indices', (2, 5, 8, 11))
+    return _create(FLattenDeiTClassifier, variant, pretrained, arch=arch, **kwargs)
+
+
+@register_model
+def flatten_deit_tiny(pretrained: bool = False, **kwargs) -> FLattenDeiTClassifier:
+    """FLatten-DeiT-T: DeiT-Tiny (192 wide, 3 heads, 12 blocks) with focused
+    linear attention."""
+    return _deit('flatten_deit_tiny', 'tiny', pretrained, **kwargs)
+
+
+@register_model
+def flatten_deit_small(pretrained: bool = False, **kwargs) -> FLattenDeiTClassifier:
+    """FLatten-DeiT-S (384 wide, 6 heads)."""
+    return _deit('flatten_deit_small', 'small', pretrained, **kwargs)
+
+
+@register_model
+def flatten_deit_base(pretrained: bool = False, **kwargs) -> FLattenDeiTClassifier:
+    """FLatten-DeiT-B (768 wide, 12 heads)."""
+    return _deit('flatten_deit_base', 'base', pretrained, **kwargs)

@@ -65,7 +65,8 @@ def assert_autocast_finite(model, dtype, x):
 TRAIN_SIZES = [(1, 1), (2, 3), (5, 7), (8, 8), (17, 9), (32, 32), (33, 65)]
 
 
-def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2)):
+def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2),
+                                strides=(4, 8, 16, 32)):
     """Training mode with gradients: for every input size the stage maps are
     ceil(H / s) x ceil(W / s) and finite, and every parameter gets a finite
     gradient (drop path off, so every branch runs)."""
@@ -78,7 +79,7 @@ def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2)):
             model.zero_grad()
             x = torch.randn(b, 3, h, w, requires_grad=True)
             outs = model(x)
-            for o, s in zip(outs, (4, 8, 16, 32)):
+            for o, s in zip(outs, strides):
                 assert tuple(o.shape) == (b, o.shape[1], -(-h // s), -(-w // s)), (h, w, b)
                 assert torch.isfinite(o).all(), (h, w, b)
             sum((o * torch.randn_like(o)).sum() for o in outs).backward()
@@ -129,7 +130,12 @@ FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin')
 def small_backbone(family: str, **kw):
     """A small initialised backbone of ``family`` (one of FAMILIES), with
     linear and softmax stages unless ``attn_type`` says otherwise."""
-    from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
+    from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
+    if family == 'deit':  # not in FAMILIES: one grid, a stage per block
+        m = FLattenDeiT(**dict(dict(embed_dims=32, num_heads=2, depth=4, attn_type='LSLL',
+                                    final_norm=True, out_indices=(1, 3)), **kw))
+        m.init_weights()
+        return m
     if family in ('pvt', 'pvtv2'):
         kw = dict(dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
                        arch='tiny' if family == 'pvt' else 'b0', attn_type='LLSS'), **kw)

@@ -38,6 +38,9 @@ def test_configs_found():
         'demo/mask-rcnn_flatten-pvtv2-b0_fpn_shapes.py',
         'demo/fpn_flatten-pvtv2-b0_shapes.py',
         'demo/upernet_flatten-swin-t_shapes.py',
+        'demo/flatten-swin-t_shapes-cls.py',
+        'demo/fpn_flatten-pvtv2-b0_shapes-short.py',
+        'attention_designs/upernet_flatten-swin-t_hydra-attn_8xb2-160k_ade20k-512x512.py',
     } <= names
 
 
@@ -45,7 +48,9 @@ def test_configs_found():
 def test_config_builds_and_runs_forward(path):
     cfg = Config.fromfile(path)
     scope = cfg.default_scope
-    assert scope in ('mmdet', 'mmseg')
+    assert scope in ('mmdet', 'mmseg', 'mmpretrain')
+    if scope == 'mmpretrain':  # the demo-sized classifier of configs/demo
+        return check_classifier(cfg)
     init_default_scope(scope)
     with DefaultScope.overwrite_default_scope(scope):
         from mmengine.registry import MODELS
@@ -70,3 +75,17 @@ def test_config_builds_and_runs_forward(path):
     else:
         seg = results[0].pred_sem_seg.data
         assert seg.shape[-2:] == (H, W)
+
+
+def check_classifier(cfg):
+    init_default_scope('mmpretrain')
+    from mmpretrain.registry import MODELS
+    from mmpretrain.structures import DataSample
+    cfg.model.setdefault('data_preprocessor', cfg.data_preprocessor)  # as the Runner does
+    model = MODELS.build(cfg.model).eval()
+    x = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8)
+    with torch.no_grad():
+        data = model.data_preprocessor(dict(inputs=[x], data_samples=[DataSample()]))
+        results = model(**data, mode='predict')
+    assert len(results) == 1
+    assert results[0].pred_score.shape == (cfg.model.head.num_classes, )

@@ -14,7 +14,8 @@ import yaml
 from demo_runs import ROOT, losses, run, seg_options
 
 BIN = osp.dirname(sys.executable)
-MODEL_FOLDERS = ('flatten_pvt', 'flatten_swin', 'flatten_cswin', 'flatten_pvtv2', 'baselines')
+MODEL_FOLDERS = ('flatten_pvt', 'flatten_swin', 'flatten_cswin', 'flatten_pvtv2', 'flatten_deit',
+                 'baselines', 'attention_designs')
 
 
 def metafile_models():

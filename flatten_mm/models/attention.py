@@ -22,10 +22,14 @@ from .utils import (HWShape, add_projections, check_heads, check_number, check_p
 
 def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
                          kernel_size: int, attn_drop: float, lepe: bool,
-                         design: str = 'focused') -> None:
+                         design: str = 'focused', num_prefix_tokens: int = 0) -> None:
     """The checks of :class:`FocusedLinearAttention`'s arguments (ValueError)."""
     check_heads(embed_dims, num_heads)
     check_positive_int('sr_ratio', sr_ratio)
+    check_positive_int('num_prefix_tokens', num_prefix_tokens, minimum=0)
+    if num_prefix_tokens and sr_ratio > 1:
+        raise ValueError(f'num_prefix_tokens needs sr_ratio=1 (prefix tokens have no place '
+                         f'on the reduced grid), got sr_ratio={sr_ratio}')
     check_kernel_size(kernel_size)
     check_design(design)
     check_number('focusing_factor', focusing_factor, low_open=True)
@@ -38,19 +42,49 @@ def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusin
 
 
 def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor],
-                          embed_dims: int, sr_ratio: int) -> None:
+                          embed_dims: int, sr_ratio: int, num_prefix_tokens: int = 0) -> None:
     """The checks of :meth:`FocusedLinearAttention.forward`'s input (ValueError)."""
     if x.dim() != 3 or x.shape[-1] != embed_dims:
         raise ValueError(f'x must be (B, N, {embed_dims}), got {tuple(x.shape)}')
     H, W = hw_shape
-    if H * W != x.shape[1]:
-        raise ValueError(f'hw_shape {tuple(hw_shape)} does not match N={x.shape[1]}')
+    if num_prefix_tokens + H * W != x.shape[1]:
+        prefix = f' and {num_prefix_tokens} prefix token(s)' if num_prefix_tokens else ''
+        raise ValueError(f'hw_shape {tuple(hw_shape)}{prefix} does not match N={x.shape[1]}')
     if key_mask is not None and sr_ratio > 1:
         raise ValueError('key_mask needs sr_ratio=1: reduced keys mix padded '
                          f'and real tokens (sr_ratio={sr_ratio})')
 
 
-def _not_scriptable(module):
+def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
+    """The last H*W tokens of (B, P + H*W, C) ``x``, those on the grid (a
+    view; ``x`` itself when there is no prefix token)."""
+    return x[:, num_prefix_tokens:] if num_prefix_tokens else x
+
+
+def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
+    """k (B, P + h*w, C) plus ``layer``'s positional encoding on the grid's
+    keys (the last h*w), in place when there is no prefix key; prefix keys get
+    none, and are concatenated back (torch.export traces no in-place write
+    into a slice of k)."""
+    P = layer.num_prefix_tokens
+    if not P:
+        return layer.add_positional_encoding_(k, grid)
+    return torch.cat([k[:, :P], layer.add_positional_encoding_(k[:, P:].contiguous(), grid)], 1)
+
+
+def add_local_term(out: Tensor, local: Optional[Tensor], num_prefix_tokens: int) -> None:
+    """DWC(V) (+ LePE) ``local`` (B, H*W, C) added in place to the grid's
+    tokens of the attention term ``out`` (the first C channels: EfficientViT's
+    first scale); nothing when ``local`` is None (no DWC, no LePE). Prefix
+    tokens get no local term."""
+    if local is not None:
+        C = local.shape[-1]
+        grid_tokens(out if out.shape[-1] == C else out[..., :C], num_prefix_tokens).add_(local)
+
+
+def refuse_torchscript(module: nn.Module):
+    """``__prepare_scriptable__`` of the layer: torch.jit.script calls it on
+    every submodule before compiling."""
     raise RuntimeError(
         'FLatten models do not support torch.jit.script (deprecated by PyTorch, and '
         'their attention is a custom autograd function it cannot compile); use '
@@ -82,11 +116,12 @@ class FocusedLinearAttention(nn.Module):
         attn_drop (float): kept for interface parity with softmax attention;
             linear attention forms no attention matrix, so it must be 0.
         proj_drop (float): dropout after the output projection. Default: 0.
-        lepe (bool): also add CSWin's locally-enhanced positional encoding,
-            a 3x3 depth-wise conv over all C channels of V (``get_v``), as
-            FLatten-CSwin does; needs ``sr_ratio=1``. Default: False.
+        lepe (bool): add CSWin's locally-enhanced positional encoding (``get_v``, a 3x3
+            depth-wise conv of V), as FLatten-CSwin; needs ``sr_ratio=1``. Default: False.
         design (str): the formula (:mod:`~flatten_mm.models.designs`): ``focused`` (FLatten's,
             default), ``relu``, ``efficient``, ``hydra``, ``angular``, ``efficientvit``.
+        num_prefix_tokens (int): P tokens before the grid's (a class token): in φ(K)ᵀV and
+            the normaliser like any token, with no positional encoding or DWC term. Default: 0.
     """
 
     def __init__(self,
@@ -100,11 +135,13 @@ class FocusedLinearAttention(nn.Module):
                  attn_drop: float = 0.,
                  proj_drop: float = 0.,
                  lepe: bool = False,
-                 design: str = 'focused'):
+                 design: str = 'focused',
+                 num_prefix_tokens: int = 0):
         super().__init__()
         check_attention_args(embed_dims, num_heads, sr_ratio, focusing_factor, kernel_size,
-                             attn_drop, lepe, design)
+                             attn_drop, lepe, design, num_prefix_tokens)
         self.attn_design, self._design = design, get_design(design)
+        self.num_prefix_tokens = num_prefix_tokens
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
@@ -129,7 +166,7 @@ class FocusedLinearAttention(nn.Module):
                 f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}, '
                 f'design={self.attn_design!r}')
 
-    __prepare_scriptable__ = _not_scriptable  # torch.jit.script calls it on every submodule
+    __prepare_scriptable__ = refuse_torchscript  # torch.jit.script calls it on every submodule
 
     def positional_encoding_for(self, grid: HWShape) -> Tensor:
         """The positional encoding resized to a key grid, (1, h*w, C)."""
@@ -156,7 +193,7 @@ class FocusedLinearAttention(nn.Module):
         w, b = self.kv.weight, self.kv.bias
         k = F.linear(x, w[:C], None if b is None else b[:C])
         v = F.linear(x, w[C:], None if b is None else b[C:])
-        k = self.add_positional_encoding_(k, grid)
+        k = encode_grid_keys(self, k, grid)
         return q, k, v, grid
 
     def conv_on_grid(self, x: Tensor, grid: HWShape, conv, size: Optional[HWShape] = None
@@ -180,8 +217,8 @@ class FocusedLinearAttention(nn.Module):
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
         """
         Args:
-            x (Tensor): (B, N, C) tokens, row-major on ``hw_shape``.
-            hw_shape (tuple[int, int]): (H, W) with H * W = N.
+            x (Tensor): (B, P + H*W, C) tokens, P = ``num_prefix_tokens``.
+            hw_shape (tuple[int, int]): (H, W), the grid of the last H*W, row-major.
             key_mask (Tensor, optional): (B, N) bool, False for padding
                 tokens, which then take no part in any query's attention
                 (only with ``sr_ratio=1``).
@@ -189,14 +226,13 @@ class FocusedLinearAttention(nn.Module):
         Returns:
             Tensor: (B, N, C).
         """
-        check_attention_input(x, hw_shape, key_mask, self.embed_dims, self.sr_ratio)
+        P = self.num_prefix_tokens
+        check_attention_input(x, hw_shape, key_mask, self.embed_dims, self.sr_ratio, P)
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
         out = self.attend(q, k, v, key_mask, overwrite_qk=True, grids=(hw_shape, grid))
-        local = self.depthwise_conv(v, grid, hw_shape)
-        if local is not None:  # into attend's own buffer (efficientvit: its first scale)
-            (out if out.shape[-1] == local.shape[-1] else out[..., :local.shape[-1]]).add_(local)
+        add_local_term(out, self.depthwise_conv(grid_tokens(v, P), grid, hw_shape), P)
         return self.proj_drop(self.proj(out))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],

@@ -13,6 +13,7 @@ from ..conversion import checkpoint_filter_fn, pvt_convert
 from .utils import HWShape
 from .layers import check_images, stage_output
 from .backbones.flatten_cswin import FLattenCSwin
+from .backbones.flatten_deit import FLattenDeiT
 from .backbones.flatten_pvt import FLattenPVT, FLattenPVTv2
 from .backbones.flatten_swin import FLattenSwin
 
@@ -105,13 +106,17 @@ class ClassifierMixin:
         intermediates = []
         for i, tokens, hw_shape in self.forward_stages(check_images(x), last):
             if i in taken:
-                final_norm = norm and i == self.num_stages - 1
-                intermediates.append(stage_output(self.norm(tokens) if final_norm else tokens,
-                                                  hw_shape))
+                intermediates.append(self.intermediate_map(
+                    tokens, hw_shape, norm and i == self.num_stages - 1))
         if intermediates_only:
             return intermediates
         # the final norm belongs to the last stage: not applied when stopped early
         return self.final_features(tokens, hw_shape, last == self.num_stages - 1), intermediates
+
+    def intermediate_map(self, tokens: Tensor, hw_shape: HWShape, norm: bool) -> Tensor:
+        """A stage's tokens as :meth:`forward_intermediates` returns them: an
+        NCHW map (after the final norm with ``norm``)."""
+        return stage_output(self.norm(tokens) if norm else tokens, hw_shape)
 
     def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1,
                                   prune_norm: bool = False, prune_head: bool = True) -> List[int]:
@@ -204,3 +209,51 @@ class FLattenSwinClassifier(SwinLikeClassifierMixin, FLattenSwin):
 
 class FLattenCSwinClassifier(SwinLikeClassifierMixin, FLattenCSwin):
     """FLatten-CSwin classifier (see :class:`SwinLikeClassifierMixin`)."""
+
+
+class FLattenDeiTClassifier(ClassifierMixin, FLattenDeiT):
+    """FLatten-DeiT classifier, as DeiT (no distillation token): the blocks,
+    the final LayerNorm (``norm``, the dense backbone's with
+    ``final_norm=True``), the class token's features (``global_pool='token'``;
+    or the patch tokens' mean, ``'avg'``), the linear head.
+
+    Features (``forward_features``) are the normalised tokens (B, 1 + H*W, C),
+    class token first, as timm's ViT gives them; ``forward_intermediates`` and
+    features_only give NCHW maps of the patch tokens of blocks (stride 16).
+    """
+    output_fmt = 'NLC'
+    dense_final_norm = 'norm'
+
+    def __init__(self, arch: str = 'tiny', num_classes: int = 1000, global_pool: str = 'token',
+                 in_chans: int = 3, **kwargs):
+        super().__init__(arch=arch, in_channels=in_chans, final_norm=True, **kwargs)
+        self._build_head(num_classes, global_pool)
+        self.default_init()
+
+    def _build_head(self, num_classes: int, global_pool: str = 'token'):
+        pools = ('token', 'avg', '') if self.with_cls_token else ('avg', '')
+        if global_pool not in pools:
+            raise ValueError(f'global_pool must be one of {pools}, got {global_pool!r}')
+        self.num_classes = num_classes
+        self.num_features = self.head_hidden_size = self.embed_dims[-1]
+        self.global_pool = global_pool
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+        self.feature_info = [dict(num_chs=c, reduction=self.patch_size, module=stage.output_name)
+                             for stage, c in zip(self.stages, self.embed_dims)]
+
+    def no_weight_decay(self) -> Set[str]:
+        return super().no_weight_decay() | ({'cls_token'} if self.with_cls_token else set())
+
+    def final_features(self, tokens: Tensor, hw_shape: HWShape, norm: bool = True) -> Tensor:
+        return self.norm(tokens) if norm else tokens
+
+    def intermediate_map(self, tokens: Tensor, hw_shape: HWShape, norm: bool) -> Tensor:
+        tokens = self.norm(tokens) if norm else tokens
+        return stage_output(tokens[:, self.num_prefix_tokens:], hw_shape)  # the patch tokens
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if self.global_pool == 'token':
+            x = x[:, 0]
+        elif self.global_pool == 'avg':
+            x = x[:, self.num_prefix_tokens:].mean(1)
+        return x if pre_logits else self.head(x)

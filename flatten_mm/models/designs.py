@@ -267,7 +267,8 @@ class EfficientViTDesign(Design):
     two outputs concatenated (2C channels) into the layer's ``proj``, which
     here maps 2C -> C. The aggregation runs on each grid through the layer's
     :meth:`conv_on_grid`; masked (padding) tokens are zeroed first, as the
-    conv's own zero padding at the map border."""
+    conv's own zero padding at the map border. Prefix (class) tokens are
+    zeros at the aggregated scale."""
     name, formula = 'efficientvit', staticmethod(efficientvit_attention)
 
     def add_parameters(self, layer: nn.Module) -> None:
@@ -288,7 +289,12 @@ class EfficientViTDesign(Design):
         def conv(m: Tensor) -> Tensor:
             m = F.conv2d(m, dw.weight[rows], None, padding=dw.padding, groups=C)
             return F.conv2d(m, pw.weight[rows], None, groups=layer.num_heads)
-        return layer.conv_on_grid(x, grid, conv)
+        P = getattr(layer, 'num_prefix_tokens', 0)
+        if not P:
+            return layer.conv_on_grid(x, grid, conv)
+        # prefix (class) tokens have no place on the grid: zeros at the aggregated
+        # scale, so they take no part in it (as they get no DWC term)
+        return F.pad(layer.conv_on_grid(x[:, P:], grid, conv), (0, 0, P, 0))
 
     def attend(self, layer, q, k, v, key_mask, overwrite_qk, grids):
         if grids is None:

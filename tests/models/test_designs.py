@@ -379,3 +379,26 @@ def test_timm_factory_passes_attn_design():
     assert {m.attn_design for m in model.modules()
             if isinstance(m, FocusedLinearAttention)} == {'hydra'}
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
+
+
+# ---- FLatten-DeiT: the designs with a class token ------------------------
+
+@pytest.mark.parametrize('name', NAMES)
+def test_every_design_in_flatten_deit_trains_with_its_class_token(name):
+    """Every design runs in FLatten-DeiT's blocks, whose class token (a prefix
+    token: no positional encoding, no DWC or aggregation term) takes part in
+    the attention: it receives a gradient through the patch tokens' outputs."""
+    from flatten_mm.models.backbones import FLattenDeiT
+    torch.manual_seed(0)
+    model = FLattenDeiT(embed_dims=16, num_heads=2, depth=2, out_indices=(0, 1),
+                        attn_design=name).train()
+    outs = model(torch.randn(2, 3, 67, 93))
+    assert [tuple(o.shape) for o in outs] == [(2, 16, 5, 6)] * 2  # padded to whole patches
+    sum(o.pow(2).mean() for o in outs).backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+    assert model.cls_token.grad.abs().sum() > 0
+    designs = {m.attn_design for m in model.modules() if isinstance(m, FocusedLinearAttention)}
+    assert designs == {name}
+    with pytest.raises(ValueError, match=r"attn_design must be one of \('focused'.*got 'x'"):
+        FLattenDeiT(embed_dims=16, num_heads=2, depth=2, attn_design='x')

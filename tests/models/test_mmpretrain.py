@@ -24,6 +24,7 @@ CONFIG_OF = {
     'flatten_pvt_v2_b0': ('flatten_pvtv2/flatten-pvtv2-b0_8xb128_in1k.py', 'FLattenPVTv2', 'b0'),
     'flatten_swin_tiny': ('flatten_swin/flatten-swin-t_8xb128_in1k.py', 'FLattenSwin', 'tiny'),
     'flatten_cswin_tiny': ('flatten_cswin/flatten-cswin-t_8xb128_in1k.py', 'FLattenCSwin', 'tiny'),
+    'flatten_deit_tiny': ('flatten_deit/flatten-deit-t_8xb128_in1k.py', 'FLattenDeiT', 'tiny'),
 }
 
 
@@ -36,13 +37,15 @@ def build_classifier(path):
 
 
 def test_every_family_and_size_has_an_imagenet_config():
-    names = {osp.basename(p) for p in IN1K}
+    # configs/attention_designs holds one config per attention design of some of them
+    names = {osp.basename(p) for p in IN1K if osp.basename(osp.dirname(p)) != 'attention_designs'}
     assert names == {
         *(f'flatten-pvt-{a}_8xb128_in1k.py' for a in 'tsml'),
         *(f'flatten-pvtv2-b{i}_8xb128_in1k.py' for i in range(6)),
         *(f'flatten-swin-{a}_8xb128_in1k.py' for a in 'tsb'), 'flatten-swin-b_8xb64_in1k-384px.py',
         *(f'flatten-cswin-{a}_8xb128_in1k.py' for a in 'tsb'),
-        'flatten-cswin-b_8xb64_in1k-384px.py'}
+        'flatten-cswin-b_8xb64_in1k-384px.py',
+        *(f'flatten-deit-{a}_8xb128_in1k.py' for a in 'tsb')}
 
 
 @pytest.mark.parametrize('path', IN1K, ids=lambda p: osp.basename(p))

@@ -16,7 +16,15 @@ SMALL = {
     'flatten_pvt_v2_b0': dict(depths=[1, 1, 1, 1]),
     'flatten_swin_tiny': dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
     'flatten_cswin_tiny': dict(embed_dims=16, depths=[1, 1, 1, 1], num_heads=[2, 2, 4, 4]),
+    'flatten_deit_tiny': dict(embed_dims=32, num_heads=2, depth=4),
 }
+# the four-stage pyramids (strides 4 to 32); FLatten-DeiT (one stride-16 grid,
+# a stage per block) has its own versions of their shape checks in test_deit_timm.py
+PYRAMIDS = sorted(n for n in SMALL if not n.startswith('flatten_deit'))
+
+
+def is_deit(name):
+    return name.startswith('flatten_deit')
 
 
 def small(name, **kw):
@@ -35,12 +43,14 @@ def test_pretrained_cfg_is_complete(name):
     cfg = model.pretrained_cfg
     size = 384 if name.endswith('_384') else 224
     assert cfg['input_size'] == (3, size, size)
-    assert cfg['pool_size'] == (size // 32, size // 32)
+    # DeiT's features are tokens, not a map to pool (timm's ViTs give no pool_size)
+    assert cfg['pool_size'] == (None if is_deit(name) else (size // 32, size // 32))
     assert cfg['fixed_input_size'] is False
     state = model.state_dict()
     assert f"{cfg['first_conv']}.weight" in state and f"{cfg['classifier']}.weight" in state
     assert model.num_features == model.head_hidden_size == model.embed_dims[-1] > 0
-    assert [i['reduction'] for i in model.feature_info] == [4, 8, 16, 32]
+    assert [i['reduction'] for i in model.feature_info] == \
+        ([16] * 12 if is_deit(name) else [4, 8, 16, 32])
     assert [i['num_chs'] for i in model.feature_info] == list(model.embed_dims)
     modules = dict(model.named_modules())
     assert all(i['module'] in modules for i in model.feature_info)
@@ -59,7 +69,7 @@ def test_every_parameter_gets_a_gradient(name):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize('name', sorted(SMALL))
+@pytest.mark.parametrize('name', PYRAMIDS)
 def test_head_pooling_and_reset(name):
     model = small(name).eval()
     x = torch.randn(2, 3, 224, 224)
@@ -104,7 +114,7 @@ def test_grad_checkpointing_gives_same_outputs_and_gradients(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('name', sorted(SMALL))
+@pytest.mark.parametrize('name', PYRAMIDS)
 def test_forward_intermediates(name):
     model = small(name).eval()
     x = torch.randn(1, 3, 70, 90)
@@ -126,7 +136,7 @@ def test_forward_intermediates(name):
         model.forward_intermediates(x, output_fmt='NHWC')
 
 
-@pytest.mark.parametrize('name', sorted(SMALL))
+@pytest.mark.parametrize('name', PYRAMIDS)
 def test_prune_intermediate_layers_leaves_no_unused_parameter(name):
     model = small(name).train()
     x = torch.randn(2, 3, 64, 64)
@@ -141,7 +151,7 @@ def test_prune_intermediate_layers_leaves_no_unused_parameter(name):
     assert [n for n, p in model.named_parameters() if p.grad is None] == []
 
 
-@pytest.mark.parametrize('name', sorted(SMALL))
+@pytest.mark.parametrize('name', PYRAMIDS)
 def test_features_only(name):
     model = small(name, features_only=True, out_indices=(1, 3)).eval()
     assert model.feature_info.reduction() == [8, 32]
@@ -158,9 +168,10 @@ def test_registered_names_match_the_table_tools_use():
     """registry.TIMM_MODELS (what tools build a timm name's dense backbone
     from, without timm) lists exactly the registered models, each with the
     arch and options of its @register_model function."""
-    from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin
+    from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
     assert sorted(timm.list_models('flatten_*')) == NAMES
-    dense_cls = dict(pvt=FLattenPVT, pvtv2=FLattenPVTv2, swin=FLattenSwin, cswin=FLattenCSwin)
+    dense_cls = dict(pvt=FLattenPVT, pvtv2=FLattenPVTv2, swin=FLattenSwin, cswin=FLattenCSwin,
+                     deit=FLattenDeiT)
     for name in NAMES:
         kind, arch, extra = TIMM_MODELS[name]
         with torch.device('meta'):

@@ -187,3 +187,20 @@ def test_benchmark_stages_times_each_swin_stage():
         assert not torch.equal(h, x)
     with pytest.raises(SystemExit):
         tool.main(['--models', 'flatten-pvt-t', 'pvt-t'])
+
+
+def test_get_flops_compares_flatten_deit_with_deit(capsys):
+    """FLatten-DeiT-T next to DeiT-T (--compare-softmax): the softmax form has
+    DeiT-T's parameters (5.72 M, as timm's deit_tiny_patch16_224) and 1.26 G
+    FLOPs (the paper gives 5.7 M / 1.3 G); the focused form costs less."""
+    tool = load_tool('get_flops')
+    result = tool.main(['--timm', 'flatten_deit_tiny', '--compare-softmax'])
+    softmax = result['softmax']
+    assert softmax['attn_type'] == 'S' * 12 and softmax['params'] == 5_717_416
+    assert abs(softmax['flops'] / 1e9 - 1.258) < 0.005
+    assert result['params'] == 5_717_416 + 12 * (64 * 26 + 192 + 196 * 192)
+    assert result['flops'] < softmax['flops']
+    assert 'softmax' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tool.main(['configs/flatten_deit/upernet_flatten-deit-s_mln_8xb2-160k_ade20k-512x512.py',
+                   '--compare-softmax'])

@@ -99,3 +99,50 @@ def test_layers_listing_and_clear_errors(files, tmp_path, capsys):
         tool.main(['flatten_vit', ckpt, image])
     with pytest.raises(SystemExit, match='image not found'):
         tool.main(['flatten_pvt_tiny', ckpt, str(tmp_path / 'none.png')])
+
+
+def test_flatten_deit_class_token_is_a_key(tmp_path):
+    """FLatten-DeiT: queries are patch tokens after the class token; the maps
+    hold their weights on the patch tokens and prefix_weight the class
+    token's, the rows summing to 1 over both (as the explicit formula)."""
+    ckpt = str(tmp_path / 'deit.pth')
+    write_official_checkpoint(ckpt, 'flatten_deit_tiny')
+    from PIL import Image
+    Image.fromarray((np.random.default_rng(1).random((50, 70, 3)) * 255).astype(np.uint8)) \
+        .save(tmp_path / 'img.png')
+    out = str(tmp_path / 'deit.png')
+    tool.main(['flatten_deit_tiny', ckpt, str(tmp_path / 'img.png'), '--layer', 'blocks.3.attn',
+               '--size', '50', '70', '--points', '0.5,0.5', '1,1', '--out', out])
+    drawn = np.load(str(tmp_path / 'deit.npz'))
+    assert tuple(drawn['query_grid']) == (4, 5) and tuple(drawn['grid']) == (4, 5)
+    assert drawn['queries'].tolist() == [1 + 2 * 5 + 2, 1 + 19]
+    assert drawn['focused'].shape == (2, 3, 1 + 20)
+    totals = drawn['focused_map'].reshape(2, -1).sum(-1) + drawn['prefix_weight'][0]
+    np.testing.assert_allclose(totals, 1, rtol=1e-4)
+    assert (drawn['prefix_weight'] > 0).all()
+
+    from flatten_mm import FLattenDeiT
+    model = FLattenDeiT(arch='tiny', init_cfg=dict(type='Pretrained', checkpoint=ckpt))
+    model.init_weights()
+    layer = model.eval().blocks[3].attn
+    caught = {}
+    layer.register_forward_pre_hook(lambda m, a: caught.update(x=a[0]))
+    with torch.no_grad():
+        model(tool.load_image(str(tmp_path / 'img.png'), (50, 70))[1])
+        x = caught['x']
+        C, h = layer.embed_dims, layer.num_heads
+        q = layer.q(x)[0]
+        k = F.linear(x, layer.kv.weight[:C], layer.kv.bias[:C])[0]
+        k = torch.cat([k[:1], k[1:] + layer.positional_encoding_for((4, 5))[0]])
+        s = F.softplus(layer.scale).view(-1)
+
+        def phi(t):
+            a = (F.relu(t) + 1e-6) / s
+            ap = a ** layer.focusing_factor
+            return ap / ap.norm(dim=-1, keepdim=True) * a.norm(dim=-1, keepdim=True)
+        qs = torch.as_tensor(drawn['queries'])
+        scores = torch.einsum('phd,nhd->phn', phi(q[qs]).view(2, h, -1), phi(k).view(-1, h, 64))
+        rows = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    np.testing.assert_allclose(drawn['focused_map'].reshape(2, -1), rows[:, 1:].numpy(),
+                               rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(drawn['prefix_weight'][0], rows[:, 0].numpy(), rtol=1e-3)

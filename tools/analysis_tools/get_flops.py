@@ -4,6 +4,7 @@
     python tools/analysis_tools/get_flops.py --backbone FLattenPVT --arch tiny --shape 224
     python tools/analysis_tools/get_flops.py --backbone FLattenCSwin --attn-type SSSS --shape 224
     python tools/analysis_tools/get_flops.py --timm flatten_swin_tiny --shape 224
+    python tools/analysis_tools/get_flops.py --timm flatten_deit_tiny --compare-softmax
 
 Counting follows mmengine's ``FlopAnalyzer`` (as mmdet's get_flops.py): one
 multiply-accumulate = one FLOP, element-wise work is not counted. The focused
@@ -29,7 +30,7 @@ from flatten_mm.analysis import flop_analyzer, focusing_ops  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('config', nargs='?', help='an mmdet / mmseg config')
+    parser.add_argument('config', nargs='?', help='an mmdet / mmseg / mmpretrain config')
     parser.add_argument('--backbone', help='a flatten_mm backbone class, e.g. FLattenPVT')
     parser.add_argument('--arch', default='tiny', help='arch of --backbone')
     parser.add_argument('--attn-type', help='attn_type of --backbone, e.g. SSSS for its '
@@ -39,12 +40,17 @@ def parse_args(argv=None):
                         help='input H W (one number: square)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config entries (as tools/train.py)')
+    parser.add_argument('--compare-softmax', action='store_true',
+                        help='also count the same model with softmax attention in every '
+                        'stage (attn_type all S: e.g. DeiT for FLatten-DeiT), side by side')
     parser.add_argument('--out', help='write the numbers as JSON here')
     args = parser.parse_args(argv)
     if sum(x is not None for x in (args.config, args.backbone, args.timm)) != 1:
         parser.error('give exactly one of CONFIG, --backbone or --timm')
     if args.attn_type and not args.backbone:
         parser.error('--attn-type goes with --backbone')
+    if args.compare_softmax and args.config:
+        parser.error('--compare-softmax goes with --backbone or --timm')
     if len(args.shape) not in (1, 2) or min(args.shape) < 1:
         parser.error(f'--shape takes H W or one size, got {args.shape}')
     args.shape = tuple(args.shape) * (3 - len(args.shape))
@@ -65,21 +71,33 @@ class _Traced(torch.nn.Module):
 
 def from_config(path, shape, cfg_options):
     from mmengine.config import Config
-    from mmengine.registry import DefaultScope, init_default_scope
     import flatten_mm  # noqa: F401
     cfg = Config.fromfile(path)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
+    return model_of_config(cfg, shape, path)
+
+
+def model_of_config(cfg, shape, name='the config'):
+    """The model of an mmdet / mmseg / mmpretrain config (in eval mode) and a
+    call that runs it on one image tensor."""
+    from mmengine.registry import DefaultScope, init_default_scope
     scope = cfg.get('default_scope')
-    if scope not in ('mmdet', 'mmseg'):
-        raise SystemExit(f'{path}: default_scope must be mmdet or mmseg, got {scope!r}')
+    if scope not in ('mmdet', 'mmseg', 'mmpretrain'):
+        raise SystemExit(f'{name}: default_scope must be mmdet, mmseg or mmpretrain, '
+                         f'got {scope!r}')
     init_default_scope(scope)
     H, W = shape
     meta = dict(img_shape=(H, W), ori_shape=(H, W), pad_shape=(H, W),
                 batch_input_shape=(H, W), scale_factor=(1.0, 1.0))
     with DefaultScope.overwrite_default_scope(scope):
         from mmengine.registry import MODELS
-        model = MODELS.build(cfg.model).eval()
+        model_cfg = cfg.model.copy()
+        if scope == 'mmpretrain' and cfg.get('data_preprocessor'):
+            model_cfg.setdefault('data_preprocessor', cfg.data_preprocessor)  # as the Runner
+        model = MODELS.build(model_cfg).eval()
+        if scope == 'mmpretrain':
+            return model, lambda m, x: m(x, mode='tensor')
         if scope == 'mmdet':
             from mmdet.structures import DetDataSample
             sample = DetDataSample(metainfo=meta)
@@ -89,7 +107,10 @@ def from_config(path, shape, cfg_options):
     return model, lambda m, x: m(x, [sample], mode='tensor')
 
 
-def build(args):
+def build(args, attn_type=None):
+    """The model and how to call it; ``attn_type`` overrides the one of
+    ``--backbone`` / ``--timm``."""
+    attn_type = attn_type or args.attn_type
     if args.config:
         return from_config(args.config, args.shape, args.cfg_options)
     if args.backbone:
@@ -99,8 +120,8 @@ def build(args):
             names = [n for n in backbones.__all__ if n[0].isupper()]
             raise SystemExit(f'unknown --backbone {args.backbone!r}; choose from {names}')
         kwargs = dict(arch=args.arch)
-        if args.attn_type:
-            kwargs['attn_type'] = args.attn_type
+        if attn_type:
+            kwargs['attn_type'] = attn_type
         try:
             model = cls(**kwargs)
         except ValueError as err:
@@ -108,7 +129,8 @@ def build(args):
         return model.eval(), lambda m, x: m(x)
     import timm
     import flatten_mm  # noqa: F401  (registers the classifiers)
-    return timm.create_model(args.timm).eval(), lambda m, x: m(x)
+    kwargs = dict(attn_type=attn_type) if attn_type else {}
+    return timm.create_model(args.timm, **kwargs).eval(), lambda m, x: m(x)
 
 
 def count(model, call, shape):
@@ -136,6 +158,13 @@ def main(argv=None):
     print(f"focused mapping, element-wise (not in FLOPs): "
           f"{result['focusing_elementwise_ops'] / 1e9:.3f} G ops")
     print(f"params: {result['params'] / 1e6:.2f} M")
+    if args.compare_softmax:
+        softmax_type = 'S' * len(model.attn_type)
+        softmax = count(*build(args, softmax_type), args.shape)
+        result['softmax'] = dict(attn_type=softmax_type, **softmax)
+        print(f"\n{'':12}{'this model':>14}{'softmax':>14}  (attn_type {softmax_type})")
+        print(f"{'params (M)':12}{result['params'] / 1e6:14.2f}{softmax['params'] / 1e6:14.2f}")
+        print(f"{'FLOPs (G)':12}{result['flops'] / 1e9:14.3f}{softmax['flops'] / 1e9:14.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(model=name, **result), indent=1))
     return result

@@ -14,6 +14,9 @@ heads) and, for comparison, ``softmax(q.k_j / sqrt(d))`` on the same layer's q
 and k. Keys of a spatially reduced layer lie on a coarser grid; the maps are
 drawn on that grid, stretched to the image. The arrays drawn are saved next to
 the PNG (``.npz``). ``--list-layers`` prints the layers to choose from.
+In a layer with a class token (FLatten-DeiT) the queries are patch tokens, the
+maps show the weights on the patch tokens, and the weight each query gives the
+class token is saved as ``prefix_weight`` (its focused and softmax values).
 """
 import argparse
 import os
@@ -31,7 +34,8 @@ from flatten_mm.models.attention import FocusedLinearAttention  # noqa: E402
 
 MEAN = np.array([123.675, 116.28, 103.53], dtype=np.float32)
 STD = np.array([58.395, 57.12, 57.375], dtype=np.float32)
-TIMM_KINDS = {'pvt': 'FLattenPVT', 'pvtv2': 'FLattenPVTv2', 'swin': 'FLattenSwin'}
+TIMM_KINDS = {'pvt': 'FLattenPVT', 'pvtv2': 'FLattenPVTv2', 'swin': 'FLattenSwin',
+              'cswin': 'FLattenCSwin', 'deit': 'FLattenDeiT'}
 
 
 def parse_args(argv=None):
@@ -129,13 +133,16 @@ def attention_maps(backbone, layer: str, image: torch.Tensor, points) -> dict:
     if x.shape[0] != 1:
         raise SystemExit(f'layer {layer} attends within windows ({x.shape[0]} of them); '
                          'choose a layer with global attention')
-    queries = torch.tensor([min(int(y * H), H - 1) * W + min(int(px * W), W - 1)
+    P = layers[layer].num_prefix_tokens  # a class token before the grid's tokens
+    queries = torch.tensor([P + min(int(y * H), H - 1) * W + min(int(px * W), W - 1)
                             for px, y in points])
     focused, softmax, grid = attention_weights(layers[layer], x, (H, W), queries)
     return dict(focused=focused.numpy(), softmax=softmax.numpy(), grid=np.array(grid),
                 queries=queries.numpy(), query_grid=np.array((H, W)),
-                focused_map=focused.mean(1).reshape(len(points), *grid).numpy(),
-                softmax_map=softmax.mean(1).reshape(len(points), *grid).numpy())
+                focused_map=focused[..., P:].mean(1).reshape(len(points), *grid).numpy(),
+                softmax_map=softmax[..., P:].mean(1).reshape(len(points), *grid).numpy(),
+                prefix_weight=np.stack([focused[..., :P].sum(-1).mean(1).numpy(),
+                                        softmax[..., :P].sum(-1).mean(1).numpy()]))
 
 
 def draw(img: np.ndarray, maps: dict, points, out: str) -> None:

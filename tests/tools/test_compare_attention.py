@@ -1,0 +1,118 @@
+"""tools/analysis_tools/compare_attention.py: one row per design with real
+numbers, on the tiny shapes data; bad design specs stop it before training."""
+import csv
+import importlib.util
+import json
+import os.path as osp
+
+import pytest
+
+from demo_runs import ROOT, run
+
+TOOL = osp.join(ROOT, 'tools/analysis_tools/compare_attention.py')
+CONFIG = osp.join(ROOT, 'configs/demo/flatten-swin-t_shapes-cls.py')
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location('compare_attention', TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def data_options(shapes):
+    return ['--cfg-options', f'train_dataloader.dataset.data_root={shapes}/cls/',
+            f'val_dataloader.dataset.data_root={shapes}/cls/', 'train_dataloader.batch_size=4',
+            'default_hooks.logger.interval=1']
+
+
+def two_designs():
+    """Two designs that own different parameters."""
+    designs = load_tool().known_designs()
+    return ['focused', 'relu'] if 'relu' in designs else ['focused', 'focused:kernel_size=3']
+
+
+def test_two_designs_give_one_row_each_with_real_numbers(shapes, tmp_path):
+    work = tmp_path / 'compare'
+    designs = two_designs()
+    out = run(TOOL, CONFIG, '--designs', *designs, '--iters', '3', '--work-dir', str(work),
+              *data_options(shapes), cwd=ROOT)
+    rows = list(csv.DictReader(open(work / 'results.csv')))
+    assert [r['design'] for r in rows] == designs
+    for r in rows:
+        assert float(r['train_step_s']) > 0 and float(r['infer_ms_per_img']) > 0
+        assert float(r['flops_G']) > 0 and r['shape'] == '64x64'
+        assert r['metric'] == 'accuracy/top1' and 0 <= float(r['value']) <= 100
+        assert osp.isdir(r['work_dir']) and osp.dirname(r['work_dir']) == str(work)
+    assert rows[0]['params_M'] != rows[1]['params_M']
+    assert rows[0]['attn_design'] == 'focused'
+    table = out[out.index('| design |'):]
+    assert all(f'| {d} |' in table for d in designs)
+    assert len(json.load(open(work / 'results.json'))) == 2
+    assert (work / 'results.png').is_file()
+    assert not list(work.glob('*/*.pth'))  # no checkpoints unless --keep-checkpoints
+
+
+@pytest.mark.parametrize('designs, message', [
+    (['focused', 'nosuch'], r"unknown attention design 'nosuch' in 'nosuch'; choose from "
+                            r"\[.*'focused'.*\]"),
+    (['focused:alpha=2'], r"knob 'alpha' in 'focused:alpha=2': design 'focused' takes "
+                          r"\['focusing_factor', 'kernel_size'\]"),
+    (['focused:kernel_size=x'], r"knob kernel_size='x' in 'focused:kernel_size=x': not an integer"),
+    (['focused:focusing_factor'], r"knob 'focusing_factor' \(write knob=value\)"),
+    (['focused', 'focused'], r"design spec 'focused' is given twice"),
+    (['focused', 'focused:focusing_factor=-1'],
+     r"design 'focused:focusing_factor=-1': the model does not build: .*focusing_factor"),
+])
+def test_bad_specs_stop_before_any_training(shapes, tmp_path, designs, message):
+    work = tmp_path / 'compare'
+    with pytest.raises(SystemExit, match=message):
+        load_tool().main([CONFIG, '--designs', *designs, '--iters', '1',
+                          '--work-dir', str(work), *data_options(shapes)])
+    assert not list(work.glob('*/*/*.log'))  # no run started
+
+
+def test_knobs_go_with_their_designs():
+    """focusing_factor is the focused design's; kernel_size (0: no DWC) that
+    of every design with a DWC (focused, angular)."""
+    tool = load_tool()
+    designs = tool.known_designs()
+    with pytest.raises(ValueError, match=r"knob 'kernel_size' in 'relu:kernel_size=3': design "
+                                         r"'relu' takes no knobs"):
+        tool.parse_spec('relu:kernel_size=3', designs)
+    with pytest.raises(ValueError, match=r"knob 'focusing_factor' in 'angular:focusing_factor=2': "
+                                         r"design 'angular' takes \['kernel_size'\]"):
+        tool.parse_spec('angular:focusing_factor=2', designs)
+    assert tool.parse_spec('angular:kernel_size=0', designs).knobs == {'kernel_size': 0}
+    spec = tool.parse_spec('focused:focusing_factor=2,kernel_size=3', designs)
+    assert spec.knobs == {'focusing_factor': 2.0, 'kernel_size': 3}
+    assert spec.slug == 'focused_focusing_factor-2_kernel_size-3'
+
+
+def test_specs_set_the_backbone_arguments(shapes, tmp_path):
+    """attn_design and the knobs land in model.backbone of each run's config,
+    with the run's iterations, seed, determinism and work dir."""
+    tool = load_tool()
+    _, args = tool.parse_args([CONFIG, '--designs', 'x', '--iters', '7', '--seed', '3',
+                               '--work-dir', str(tmp_path), *data_options(shapes)])
+    spec = tool.parse_spec('focused:kernel_size=0', tool.known_designs())
+    cfg = tool.run_config(args, spec)
+    assert cfg.model.backbone.attn_design == 'focused' and cfg.model.backbone.kernel_size == 0
+    assert cfg.train_cfg.max_iters == 7 and cfg.train_cfg.val_interval == 7
+    assert cfg.randomness == dict(seed=3, deterministic=True)
+    assert cfg.work_dir == str(tmp_path / 'focused_kernel_size-0')
+    assert cfg.default_hooks.checkpoint is None
+
+
+@pytest.mark.parametrize('model', ['swin', 'deit'])
+def test_an_epoch_based_config_runs_by_iterations(tmp_path, model):
+    """The ImageNet configs (epochs) become --iters iterations, their
+    epoch-stepped schedulers stepped per iteration."""
+    tool = load_tool()
+    config = osp.join(ROOT, f'configs/attention_designs/flatten-{model}-t_hydra-attn_8xb128_in1k.py')
+    _, args = tool.parse_args([config, '--iters', '5', '--work-dir', str(tmp_path)])
+    cfg = tool.run_config(args, tool.parse_spec('hydra', tool.known_designs()))
+    assert cfg.model.backbone.attn_design == 'hydra'
+    assert cfg.train_cfg == dict(type='IterBasedTrainLoop', max_iters=5, val_interval=5)
+    assert all(s.convert_to_iter_based for s in cfg.param_scheduler if s.get('by_epoch', True))
+    assert cfg.log_processor.by_epoch is False and cfg.default_hooks.checkpoint is None
