@@ -88,6 +88,7 @@ def test_drawn_rows_equal_explicit_attention(files, tmp_path):
 def test_layers_listing_and_clear_errors(files, tmp_path, capsys):
     ckpt, image, _ = files
     tool.main(['flatten_pvt_tiny', ckpt, image, '--list-layers'])
+    assert torch.is_grad_enabled()  # the tool turns gradients off for itself only
     layers = capsys.readouterr().out.split()
     assert layers[0] == 'block1.0.attn' and len(layers) == 2 + 2 + 2 + 2
     with pytest.raises(SystemExit, match="no focused attention layer 'block9.attn'; choose from"):

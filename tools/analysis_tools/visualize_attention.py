@@ -172,7 +172,12 @@ def draw(img: np.ndarray, maps: dict, points, out: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
+    with torch.no_grad():  # not set_grad_enabled(False): a caller's process keeps its mode
+        run(args)
+
+
+def run(args) -> None:
+    """Draw and save the maps that ``args`` ask for."""
     backbone = build_backbone(args.model, args.checkpoint)
     layers = list(focused_layers(backbone))
     if args.list_layers:
