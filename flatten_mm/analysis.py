@@ -5,8 +5,9 @@ of a FocusedLinearAttention in the release's op order (the tests' yardstick).
 FLOPs follow the OpenMMLab convention (mmengine's ``FlopAnalyzer``, as
 mmdet's ``get_flops.py``): one multiply-accumulate of a linear layer, matmul
 or convolution counts as one FLOP, and element-wise work (activations,
-normalisation, softmax) counts nothing. The two autograd functions of the
-attention core get handles that count them the same way:
+normalisation, softmax) counts nothing. The ops of the attention core (the
+torch backend's autograd function, the triton backend's custom op, the CPU
+depth-wise conv) get handles that count them the same way:
 
 * focused linear attention, per head of d channels with N queries and n keys:
   ``n*d*d`` for phi(K)^T V, ``n*d`` for the key mean, ``N*d`` for
@@ -53,14 +54,25 @@ def _shape(value) -> Tuple[int, ...]:
     return tuple(get_shape(value))
 
 
-def focused_linear_attention_flops(inputs, outputs) -> Counter:
-    """mmengine FLOP handle for ``FocusedLinearAttentionFn``."""
-    B, N, C = _shape(inputs[0])
-    n = _shape(inputs[1])[1]
-    num_heads = outputs[0].node().scalar_args()[1]
+def _focused_count(q_shape: Tuple[int, ...], n: int, num_heads: int) -> Counter:
+    B, N, C = q_shape
     d = C // num_heads
     return Counter({'focused_linear_attention':
                     B * (n * C * d + n * C + N * C + N * C * d)})
+
+
+def focused_linear_attention_flops(inputs, outputs) -> Counter:
+    """mmengine FLOP handle for ``FocusedLinearAttentionFn`` (the torch backend)."""
+    return _focused_count(_shape(inputs[0]), _shape(inputs[1])[1],
+                          outputs[0].node().scalar_args()[1])
+
+
+def triton_attention_flops(inputs, outputs) -> Counter:
+    """mmengine FLOP handle for the ``flatten_mm::triton_attention`` op (the
+    triton backend, arguments q, k, v, s_inv, p, num_heads, key_mask): the
+    same products, so a model counts the same on either backend."""
+    return _focused_count(_shape(inputs[0]), _shape(inputs[1])[1],
+                          int(inputs[5].toIValue()))
 
 
 def depthwise_conv_flops(inputs, outputs) -> Counter:
@@ -83,6 +95,7 @@ def sdpa_flops(inputs, outputs) -> Counter:
 FLOP_HANDLES: Dict[str, Callable] = {
     'aten::scaled_dot_product_attention': sdpa_flops,
     'prim::PythonOp.FocusedLinearAttentionFn': focused_linear_attention_flops,
+    'flatten_mm::triton_attention': triton_attention_flops,
     'prim::PythonOp.DepthwiseConvFn': depthwise_conv_flops,
 }
 

@@ -1,8 +1,10 @@
 """FLOP counting and saved-bytes measurement (flatten_mm.analysis)."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 from flatten_mm import FocusedLinearAttention
+from flatten_mm.models.ops import available_backends, use_backend
 from flatten_mm.analysis import (FOCUS_OPS_PER_ELEMENT, flop_analyzer, focusing_ops,
                                  saved_tensor_bytes)
 
@@ -39,6 +41,24 @@ def test_spatial_reduction_counts_the_reduced_keys():
     assert by_op['linear'] == 2 * N * C * C + 2 * n * C * C  # q, proj on N; k, v on n
     assert by_op['focused_linear_attention'] == n * C * C + n * C + N * C + N * C * C
     assert by_op['conv'] == n * C * C * r * r + N * C * 25  # reduction conv + DWC
+
+
+@pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')
+@pytest.mark.skipif('triton' not in available_backends(), reason='needs triton')
+def test_triton_backend_counts_as_the_torch_backend():
+    """The triton backend's custom op has its own handle: a model counts the
+    same FLOPs whichever backend runs its attention (under the interpreter here)."""
+    C, h, H, W, r = 32, 2, 6, 10, 2
+    m = FocusedLinearAttention(C, h, sr_ratio=r, pos_grid=(H // r, W // r)).eval()
+    x = torch.randn(2, H * W, C)
+    counts = {}
+    for backend in ('torch', 'triton'):
+        with use_backend(backend):
+            counts[backend] = flop_analyzer(Call(m, (H, W)), (x,)).by_operator()
+    N, n, d = H * W, (H // r) * (W // r), C // h
+    assert counts['triton']['focused_linear_attention'] == 2 * h * (
+        n * d * d + n * d + N * d + N * d * d)
+    assert counts['triton'] == counts['torch']
 
 
 def test_softmax_attention_is_counted():
