@@ -306,6 +306,26 @@ def test_flop_count_is_the_designs_closed_form(name, sr):
         assert ops['linear'] == 2 * (N * C * C + n * C * 2 * C + N * 2 * C * C)
 
 
+@pytest.mark.parametrize('name', NAMES)
+def test_flop_count_counts_prefix_keys(name):
+    """A class token is one more key: attention_flops counts it as the
+    analyzer does (it once counted the grid's keys only)."""
+    from flatten_mm.analysis import attention_flops, flop_analyzer, focusing_ops
+    H, W, C, h, P = 7, 9, 16, 2, 1
+    m = FocusedLinearAttention(C, h, design=name, kernel_size=3, pos_grid=(H, W),
+                               num_prefix_tokens=P).eval()
+    x = torch.randn(2, P + H * W, C)
+    ops = flop_analyzer(m, (x, (H, W))).by_operator()
+    core = sum(v for op, v in ops.items()
+               if op in ('matmul', 'einsum', 'focused_linear_attention'))
+    N = n = P + H * W
+    assert core == 2 * m._design.flops(N, n, C, h)
+    assert attention_flops(m, lambda: m(x, (H, W))) == {name: core}
+    if name == 'focused':
+        from flatten_mm.analysis import FOCUS_OPS_PER_ELEMENT
+        assert focusing_ops(m, lambda: m(x, (H, W))) == FOCUS_OPS_PER_ELEMENT * C * 2 * (N + n)
+
+
 def test_design_errors_name_the_value_and_the_designs():
     with pytest.raises(ValueError, match=r"design must be one of \('focused', 'relu', "
                                          r"'efficient', 'hydra', 'angular', 'efficientvit'\), "
