@@ -5,6 +5,7 @@ key masks, reduced keys, odd N, one head, batch 2; the layer per design
 (against a reference forward written here), its state-dict keys, its FLOP
 count, and every design in every backbone family."""
 import math
+import re
 
 import pytest
 import torch
@@ -422,3 +423,15 @@ def test_every_design_in_flatten_deit_trains_with_its_class_token(name):
     assert designs == {name}
     with pytest.raises(ValueError, match=r"attn_design must be one of \('focused'.*got 'x'"):
         FLattenDeiT(embed_dims=16, num_heads=2, depth=2, attn_design='x')
+
+
+@pytest.mark.parametrize('name', NAMES)
+@pytest.mark.parametrize('shape', [(2, 20), (1, 21)])
+def test_key_mask_of_the_wrong_shape_is_named(name, shape):
+    """A key mask without the class token's entry, or one for the whole batch,
+    is a ValueError naming both shapes in every design (it was a shape error
+    from inside torch, and (1, N) ran in some designs only)."""
+    m = FocusedLinearAttention(32, 4, design=name, pos_grid=4, num_prefix_tokens=1)
+    with pytest.raises(ValueError, match=r'key_mask must be \(B, N\) = \(2, 21\), one entry '
+                                         r'per token of x, got ' + re.escape(str(shape))):
+        m(torch.randn(2, 21, 32), (4, 5), torch.ones(shape, dtype=torch.bool))
