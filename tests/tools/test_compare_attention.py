@@ -3,6 +3,7 @@ numbers, on the tiny shapes data; bad design specs stop it before training."""
 import csv
 import importlib.util
 import json
+import os
 import os.path as osp
 
 import pytest
@@ -116,3 +117,25 @@ def test_an_epoch_based_config_runs_by_iterations(tmp_path, model):
     assert cfg.train_cfg == dict(type='IterBasedTrainLoop', max_iters=5, val_interval=5)
     assert all(s.convert_to_iter_based for s in cfg.param_scheduler if s.get('by_epoch', True))
     assert cfg.log_processor.by_epoch is False and cfg.default_hooks.checkpoint is None
+
+
+def test_runs_are_deterministic_without_stopping_on_cuda(shapes, tmp_path, monkeypatch):
+    """mmengine's deterministic=True stops a CUDA run at its first matmul
+    unless CUBLAS_WORKSPACE_CONFIG is set, and at any op without a deterministic
+    kernel (bilinear resizing's backward): the tool sets the variable and
+    keeps deterministic algorithms in warn-only mode."""
+    import torch
+    tool = load_tool()
+    monkeypatch.delenv('CUBLAS_WORKSPACE_CONFIG', raising=False)
+    _, args = tool.parse_args([CONFIG, '--iters', '1', '--work-dir', str(tmp_path),
+                               *data_options(shapes)])
+    cfg = tool.run_config(args, tool.parse_spec('focused', tool.known_designs()))
+    was = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        tool.build_runner(cfg)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])

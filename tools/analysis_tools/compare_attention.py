@@ -10,7 +10,8 @@ with knobs of that design after a colon, comma-separated:
 ``model.backbone.attn_design`` and the knobs in the config and is trained with
 mmengine's Runner (as tools/train.py) for ``--iters`` iterations, evaluated
 with the config's evaluator, in its own work dir under ``--work-dir``, with
-the same seed and ``randomness.deterministic=True``. Every spec is checked,
+the same seed and ``randomness.deterministic=True`` (deterministic algorithms where
+PyTorch has them; an op without one warns). Every spec is checked,
 and every model built (params, FLOPs), before the first run trains.
 
 Columns: params and FLOPs of the whole model (FLOPs as get_flops.py counts
@@ -304,9 +305,24 @@ def prepare(args) -> list:
     return runs
 
 
-def train_one(spec: Spec, cfg: Config, cost: dict, metric: str = None) -> dict:
+def build_runner(cfg: Config):
+    """mmengine's Runner of one run. ``randomness.deterministic=True`` turns on
+    ``torch.use_deterministic_algorithms``, under which CUDA stops a run at its
+    first cuBLAS product unless ``CUBLAS_WORKSPACE_CONFIG`` was set before it, and at
+    any op without a deterministic kernel: the variable is set (if unset) and
+    such ops warn instead (``warn_only``)."""
+    import os
+    import torch
     from mmengine.runner import Runner
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     runner = Runner.from_cfg(cfg)
+    if torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    return runner
+
+
+def train_one(spec: Spec, cfg: Config, cost: dict, metric: str = None) -> dict:
+    runner = build_runner(cfg)
     timing = Timing()
     runner.register_hook(timing)
     runner.register_hook(StartClock(timing))
