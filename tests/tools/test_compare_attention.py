@@ -139,3 +139,21 @@ def test_runs_are_deterministic_without_stopping_on_cuda(shapes, tmp_path, monke
         assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
+@pytest.mark.parametrize('metrics, picked', [
+    (dict(aAcc=80.0, mIoU=40.0, mAcc=50.0), ('mIoU', 40.0)),
+    (dict(aAcc=80.0, mDice=45.0, mAcc=50.0), ('mDice', 45.0)),  # iou_metrics=['mDice']
+    (dict(aAcc=80.0, mFscore=47.0, mPrecision=48.0, mRecall=46.0, mAcc=50.0),
+     ('mFscore', 47.0)),
+    ({'accuracy/top1': 70.0, 'accuracy/top5': 90.0}, ('accuracy/top1', 70.0)),
+    (dict(aAcc=80.0), ('aAcc', 80.0)),
+    ({}, (None, None)),
+])
+def test_metric_is_the_first_after_the_pixel_accuracy(metrics, picked):
+    """mmseg's IoUMetric with mDice or mFscore: its figure, not aAcc (which
+    was reported when mIoU was not asked for)."""
+    tool = load_tool()
+    assert tool.pick_metric(metrics) == picked
+    assert tool.pick_metric(metrics, 'mAcc' if 'mAcc' in metrics else None) == \
+        (('mAcc', 50.0) if 'mAcc' in metrics else picked)

@@ -15,12 +15,14 @@ PyTorch has them; an op without one warns). Every spec is checked,
 and every model built (params, FLOPs), before the first run trains.
 
 Columns: params and FLOPs of the whole model (FLOPs as get_flops.py counts
-them, at ``--shape``: default the config's data-preprocessor size, else 224);
+them, at ``--shape``: default the config's data-preprocessor size, else the
+validation pipeline's last crop or resize, else 224);
 the median training step (``train_step``, the iterations after the first; the
 batch is the config's) and inference per image (the validation iterations,
-pre- and post-processing included, data loading not); the metric the
-evaluator reports first (``mIoU`` for mmseg's IoUMetric, whose first key is
-the pixel accuracy aAcc), or ``--metric``. Writes ``results.csv``,
+pre- and post-processing and the evaluator's per-batch work included, data
+loading not); the metric the
+evaluator reports first after the side figure aAcc (mmseg's IoUMetric's first key,
+before ``mIoU``, ``mDice`` or ``mFscore``), or ``--metric``. Writes ``results.csv``,
 ``results.json`` and ``results.png`` (with matplotlib) to ``--work-dir``.
 """
 import argparse
@@ -41,7 +43,9 @@ from mmengine.hooks import Hook  # noqa: E402
 
 # the knobs a design spec may set, and the type of their values
 KNOB_TYPES = {'focusing_factor': float, 'kernel_size': int}
-PREFERRED_METRICS = ('mIoU', )  # chosen over a first key that is a side figure (aAcc)
+# first keys that are a side figure: mmseg's IoUMetric puts the pixel accuracy first,
+# before mIoU, mDice or mFscore (whichever its iou_metrics ask for)
+SIDE_METRICS = ('aAcc', )
 FIELDS = ['design', 'attn_design', 'knobs', 'params_M', 'flops_G', 'train_step_s',
           'infer_ms_per_img', 'metric', 'value', 'work_dir']
 
@@ -255,7 +259,7 @@ def pick_metric(metrics: dict, wanted: str = None):
         return wanted, metrics[wanted]
     if not metrics:
         return None, None
-    key = next((k for k in PREFERRED_METRICS if k in metrics), next(iter(metrics)))
+    key = next((k for k in metrics if k not in SIDE_METRICS), next(iter(metrics)))
     return key, metrics[key]
 
 
