@@ -1,5 +1,6 @@
 """tools/analysis_tools/compare_attention.py: one row per design with real
 numbers, on the tiny shapes data; bad design specs stop it before training."""
+import argparse
 import csv
 import importlib.util
 import json
@@ -157,3 +158,26 @@ def test_metric_is_the_first_after_the_pixel_accuracy(metrics, picked):
     assert tool.pick_metric(metrics) == picked
     assert tool.pick_metric(metrics, 'mAcc' if 'mAcc' in metrics else None) == \
         (('mAcc', 50.0) if 'mAcc' in metrics else picked)
+
+
+def test_finished_runs_are_written_before_a_later_run_fails(tmp_path, monkeypatch):
+    """The table files are written after each run: a run that fails (out of
+    memory, a bad --metric) keeps the rows of the runs before it (they were
+    all lost)."""
+    tool = load_tool()
+    specs = [tool.parse_spec(t, tool.known_designs()) for t in ('focused', 'relu')]
+    cfgs = [argparse.Namespace(work_dir=str(tmp_path / s.slug)) for s in specs]
+    monkeypatch.setattr(tool, 'prepare', lambda args: [
+        (s, c, dict(params_M=1.0, flops_G=2.0, shape='64x64')) for s, c in zip(specs, cfgs)])
+
+    def train_one(spec, cfg, cost, metric=None):
+        if spec.design == 'relu':
+            raise RuntimeError('out of memory')
+        return dict(design=spec.text, attn_design=spec.design, knobs='', **cost,
+                    train_step_s=0.5, infer_ms_per_img=3.0, metric='mIoU', value=41.5,
+                    all_metrics={}, work_dir=cfg.work_dir)
+    monkeypatch.setattr(tool, 'train_one', train_one)
+    with pytest.raises(RuntimeError, match='out of memory'):
+        tool.main([CONFIG, '--designs', 'focused', 'relu', '--work-dir', str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / 'results.csv')))
+    assert [(r['design'], r['value'], r['shape']) for r in rows] == [('focused', '41.5', '64x64')]

@@ -405,7 +405,7 @@ def main(argv=None):
     for spec, cfg, cost in runs:
         print(f'=== {spec.text}: training {args.iters} iterations in {cfg.work_dir}', flush=True)
         rows.append(train_one(spec, cfg, cost, args.metric))
-    write_outputs(rows, Path(args.work_dir))
+        write_outputs(rows, Path(args.work_dir))  # after each run: a later failure keeps it
     print_table(rows)
     print(f'table: {Path(args.work_dir) / "results.csv"}')
     return rows
