@@ -181,3 +181,16 @@ def test_finished_runs_are_written_before_a_later_run_fails(tmp_path, monkeypatc
         tool.main([CONFIG, '--designs', 'focused', 'relu', '--work-dir', str(tmp_path)])
     rows = list(csv.DictReader(open(tmp_path / 'results.csv')))
     assert [(r['design'], r['value'], r['shape']) for r in rows] == [('focused', '41.5', '64x64')]
+
+
+def test_epoch_based_checkpoints_at_evaluations_not_every_iteration(tmp_path):
+    """--keep-checkpoints with an ImageNet config: its checkpoint interval of
+    1 (epoch) became 1 iteration, a checkpoint per step; now one per
+    evaluation."""
+    tool = load_tool()
+    config = osp.join(ROOT, 'configs/attention_designs/flatten-deit-t_hydra-attn_8xb128_in1k.py')
+    _, args = tool.parse_args([config, '--iters', '6', '--val-interval', '3',
+                               '--keep-checkpoints', '--work-dir', str(tmp_path)])
+    cfg = tool.run_config(args, tool.parse_spec('hydra', tool.known_designs()))
+    assert cfg.default_hooks.checkpoint.by_epoch is False
+    assert cfg.default_hooks.checkpoint.interval == 3

@@ -201,7 +201,8 @@ def to_iterations(cfg: Config, iters: int, val_interval: int) -> None:
     """An iteration-based loop of ``iters`` iterations. An epoch-based config
     (the ImageNet ones) keeps its schedule in iterations (its epoch-stepped
     schedulers converted, as ``convert_to_iter_based`` does) and logs by
-    iteration; the schedule is cut at ``iters``, the same for every design."""
+    iteration, and checkpoints (``--keep-checkpoints``) at each evaluation; the
+    schedule is cut at ``iters``, the same for every design."""
     train_cfg = cfg.get('train_cfg') or {}
     if train_cfg.get('type', 'IterBasedTrainLoop') != 'IterBasedTrainLoop' \
             or train_cfg.get('by_epoch'):
@@ -213,8 +214,8 @@ def to_iterations(cfg: Config, iters: int, val_interval: int) -> None:
         hooks = cfg.get('default_hooks') or {}
         if hooks.get('logger'):
             hooks.logger['log_metric_by_epoch'] = False
-        if hooks.get('checkpoint'):
-            hooks.checkpoint['by_epoch'] = False
+        if hooks.get('checkpoint'):  # its interval counted epochs: now each evaluation
+            hooks.checkpoint.update(by_epoch=False, interval=val_interval)
     cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=iters, val_interval=val_interval)
 
 
