@@ -194,3 +194,11 @@ def test_epoch_based_checkpoints_at_evaluations_not_every_iteration(tmp_path):
     cfg = tool.run_config(args, tool.parse_spec('hydra', tool.known_designs()))
     assert cfg.default_hooks.checkpoint.by_epoch is False
     assert cfg.default_hooks.checkpoint.interval == 3
+
+
+def test_a_missing_config_is_named(tmp_path, capsys):
+    """(was a FileNotFoundError traceback from mmengine)"""
+    missing = str(tmp_path / 'nosuch.py')
+    with pytest.raises(SystemExit):
+        load_tool().main([missing, '--iters', '1', '--work-dir', str(tmp_path)])
+    assert f'config not found: {missing}' in capsys.readouterr().err

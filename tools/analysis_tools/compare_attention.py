@@ -140,6 +140,8 @@ def parse_args(argv=None):
                         help='override config entries of every run, e.g. '
                         'train_dataloader.batch_size=4')
     args = parser.parse_args(argv)
+    if not Path(args.config).is_file():
+        parser.error(f'config not found: {args.config}')
     if args.iters < 1:
         parser.error(f'--iters must be >= 1, got {args.iters}')
     if args.val_interval is not None and not 1 <= args.val_interval <= args.iters:
