@@ -51,11 +51,8 @@ FIELDS = ['design', 'attn_design', 'knobs', 'params_M', 'flops_G', 'train_step_s
 
 
 def known_designs() -> tuple:
-    """The attention designs the installed flatten_mm offers."""
-    try:
-        from flatten_mm.models.designs import DESIGNS
-    except ImportError:  # a flatten_mm before the designs: FLatten's own only
-        return ('focused', )
+    """The attention designs of flatten_mm (this checkout's: ROOT is first on sys.path)."""
+    from flatten_mm.models.designs import DESIGNS
     return tuple(DESIGNS)
 
 
@@ -63,12 +60,9 @@ def design_knobs(name: str) -> Dict[str, type]:
     """The knobs of design ``name``: ``focusing_factor`` (p) is the focused
     design's, ``kernel_size`` (the DWC on V, 0 for none) that of every design
     with a DWC."""
-    try:
-        from flatten_mm.models.designs import DESIGNS
-        dwc = DESIGNS[name].dwc
-    except ImportError:
-        dwc = name == 'focused'
-    names = (['focusing_factor'] if name == 'focused' else []) + (['kernel_size'] if dwc else [])
+    from flatten_mm.models.designs import DESIGNS
+    names = (['focusing_factor'] if name == 'focused' else []) + \
+        (['kernel_size'] if DESIGNS[name].dwc else [])
     return {k: KNOB_TYPES[k] for k in names}
 
 
