@@ -62,6 +62,12 @@ def test_two_designs_give_one_row_each_with_real_numbers(shapes, tmp_path):
     (['focused:kernel_size=x'], r"knob kernel_size='x' in 'focused:kernel_size=x': not an integer"),
     (['focused:focusing_factor'], r"knob 'focusing_factor' \(write knob=value\)"),
     (['focused', 'focused'], r"design spec 'focused' is given twice"),
+    (['focused:focusing_factor=2', 'focused:focusing_factor=2.0'],
+     r"design spec 'focused:focusing_factor=2.0' is given twice "
+     r"\(as 'focused:focusing_factor=2'\)"),
+    (['focused', 'focused:'], r"empty knob list in 'focused:': write focused:knob=value"),
+    (['focused:kernel_size=3,kernel_size=5'],
+     r"knob 'kernel_size' is given twice in 'focused:kernel_size=3,kernel_size=5'"),
     (['focused', 'focused:focusing_factor=-1'],
      r"design 'focused:focusing_factor=-1': the model does not build: .*focusing_factor"),
 ])

@@ -79,7 +79,7 @@ class Spec(NamedTuple):
 
 def parse_spec(text: str, designs: tuple) -> Spec:
     """``name[:knob=value[,knob=value]]`` -> Spec; ValueError naming what is wrong."""
-    name, _, rest = text.partition(':')
+    name, colon, rest = text.partition(':')
     if name not in designs:
         raise ValueError(f'unknown attention design {name!r} in {text!r}; '
                          f'choose from {list(designs)}')
@@ -91,22 +91,27 @@ def parse_spec(text: str, designs: tuple) -> Spec:
             what = f'knob {key!r}' if eq else f'knob {item!r} (write knob=value)'
             raise ValueError(f'{what} in {text!r}: design {name!r} takes '
                              f'{sorted(allowed) or "no knobs"}')
+        if key in knobs:
+            raise ValueError(f'knob {key!r} is given twice in {text!r}')
         try:
             knobs[key] = allowed[key](value)
         except ValueError:
             raise ValueError(f'knob {key}={value!r} in {text!r}: not '
                              f'{"an integer" if allowed[key] is int else "a number"}') from None
-    if rest and not knobs:
+    if colon and not knobs:
         raise ValueError(f'empty knob list in {text!r}: write {name}:knob=value')
     return Spec(text, name, knobs)
 
 
 def parse_specs(texts: List[str], designs: tuple) -> List[Spec]:
     specs = [parse_spec(t, designs) for t in texts]
-    slugs = [s.slug for s in specs]
-    for s in specs:
-        if slugs.count(s.slug) > 1:
-            raise ValueError(f'design spec {s.text!r} is given twice')
+    seen = {}
+    for s in specs:  # the same run, however written (2 and 2.0, knobs in another order)
+        run = (s.design, tuple(sorted(s.knobs.items())))
+        if run in seen:
+            same = '' if seen[run] == s.text else f' (as {seen[run]!r})'
+            raise ValueError(f'design spec {s.text!r} is given twice{same}')
+        seen[run] = s.text
     return specs
 
 
