@@ -123,9 +123,7 @@ def focusing_ops(model: nn.Module, forward: Callable[[], object]) -> int:
         nonlocal total
         x = args[0]
         hw = args[1] if len(args) > 1 else kwargs['hw_shape']
-        keys = x.shape[0] * x.shape[1]
-        if module.sr_ratio > 1:
-            keys = x.shape[0] * (-(-hw[0] // module.sr_ratio)) * (-(-hw[1] // module.sr_ratio))
+        keys = x.shape[0] * _key_count(module, hw)
         total += FOCUS_OPS_PER_ELEMENT * module.embed_dims * (x.shape[0] * x.shape[1] + keys)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()
@@ -140,10 +138,11 @@ def focusing_ops(model: nn.Module, forward: Callable[[], object]) -> int:
 
 
 def _key_count(module: nn.Module, hw_shape: HWShape) -> int:
-    """Keys per image of a FocusedLinearAttention on an H x W grid."""
-    if module.sr_ratio == 1:
-        return hw_shape[0] * hw_shape[1]
-    return (-(-hw_shape[0] // module.sr_ratio)) * (-(-hw_shape[1] // module.sr_ratio))
+    """Keys per image of a FocusedLinearAttention on an H x W grid: its
+    prefix (class) tokens and the grid's, reduced by ``sr_ratio``."""
+    sr = module.sr_ratio
+    return getattr(module, 'num_prefix_tokens', 0) + \
+        (-(-hw_shape[0] // sr)) * (-(-hw_shape[1] // sr))
 
 
 def attention_flops(model: nn.Module, forward: Callable[[], object]) -> Dict[str, int]:

@@ -159,7 +159,9 @@ def to_mmpretrain(model: nn.Module) -> StateDict:
     """The state dict of the mmpretrain ``ImageClassifier`` equal to the
     timm classifier ``model``: its dense backbone with ``out_indices=(3,)``
     (``backbone.*``, the final norm as that backbone's output norm), a GAP
-    neck and a ``LinearClsHead`` (``head.fc.*``)."""
+    neck and a ``LinearClsHead`` (``head.fc.*``); for FLatten-DeiT the backbone
+    with its last block, ``final_norm=True`` (``norm``) and
+    ``out_type='cls_token'``, no neck (configs/flatten_deit)."""
     final = getattr(model, 'dense_final_norm', None)
     out = {}
     for key, value in model.state_dict().items():

@@ -11,6 +11,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from .conversion import checkpoint_filter_fn
+from .models.backbones.flatten_deit import quarter_ends
 from .models.classifiers import (FLattenCSwinClassifier, FLattenDeiTClassifier,
                                  FLattenPVTClassifier, FLattenPVTv2Classifier,
                                  FLattenSwinClassifier)
@@ -179,8 +180,10 @@ def flatten_cswin_base_384(pretrained: bool = False, **kwargs) -> FLattenCSwinCl
 
 
 def _deit(variant: str, arch: str, pretrained: bool, **kwargs) -> FLattenDeiTClassifier:
-    # features_only: blocks 3, 6, 9 and 12 by default (the dense backbone's)
-    kwargs.setdefault('out_indices', (2, 5, 8, 11))
+    # features_only: the last block of each quarter by default (the dense
+    # backbone's: blocks 3, 6, 9 and 12 of 12), of the depth asked for
+    depth = kwargs.get('depth') or FLattenDeiTClassifier.arch_zoo[arch]['depth']
+    kwargs.setdefault('out_indices', quarter_ends(depth))
     return _create(FLattenDeiTClassifier, variant, pretrained, arch=arch, **kwargs)
 
 

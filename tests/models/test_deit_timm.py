@@ -107,6 +107,14 @@ def test_features_only_gives_stride_16_maps_of_blocks():
     assert not any('head' in n or n.startswith('norm') for n, _ in model.named_parameters())
 
 
+def test_features_only_default_blocks_follow_the_depth():
+    """features_only's default blocks are the quarter ends of the depth asked
+    for (they were those of 12 blocks whatever the depth: an index error)."""
+    m = timm.create_model('flatten_deit_tiny', depth=6, features_only=True)
+    assert m.feature_info.module_name() == ['blocks.0', 'blocks.2', 'blocks.3', 'blocks.5']
+    assert [o.shape for o in m(torch.randn(1, 3, 32, 48))] == [(1, 192, 2, 3)] * 4
+
+
 def test_timm_checkpoint_loads_into_the_dense_backbone(tmp_path):
     """One checkpoint for both: every tensor of the dense backbone (with its
     final norm) comes from the classifier's file, and only the head is left

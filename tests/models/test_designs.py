@@ -5,6 +5,7 @@ key masks, reduced keys, odd N, one head, batch 2; the layer per design
 (against a reference forward written here), its state-dict keys, its FLOP
 count, and every design in every backbone family."""
 import math
+import re
 
 import pytest
 import torch
@@ -306,6 +307,26 @@ def test_flop_count_is_the_designs_closed_form(name, sr):
         assert ops['linear'] == 2 * (N * C * C + n * C * 2 * C + N * 2 * C * C)
 
 
+@pytest.mark.parametrize('name', NAMES)
+def test_flop_count_counts_prefix_keys(name):
+    """A class token is one more key: attention_flops counts it as the
+    analyzer does (it once counted the grid's keys only)."""
+    from flatten_mm.analysis import attention_flops, flop_analyzer, focusing_ops
+    H, W, C, h, P = 7, 9, 16, 2, 1
+    m = FocusedLinearAttention(C, h, design=name, kernel_size=3, pos_grid=(H, W),
+                               num_prefix_tokens=P).eval()
+    x = torch.randn(2, P + H * W, C)
+    ops = flop_analyzer(m, (x, (H, W))).by_operator()
+    core = sum(v for op, v in ops.items()
+               if op in ('matmul', 'einsum', 'focused_linear_attention'))
+    N = n = P + H * W
+    assert core == 2 * m._design.flops(N, n, C, h)
+    assert attention_flops(m, lambda: m(x, (H, W))) == {name: core}
+    if name == 'focused':
+        from flatten_mm.analysis import FOCUS_OPS_PER_ELEMENT
+        assert focusing_ops(m, lambda: m(x, (H, W))) == FOCUS_OPS_PER_ELEMENT * C * 2 * (N + n)
+
+
 def test_design_errors_name_the_value_and_the_designs():
     with pytest.raises(ValueError, match=r"design must be one of \('focused', 'relu', "
                                          r"'efficient', 'hydra', 'angular', 'efficientvit'\), "
@@ -402,3 +423,15 @@ def test_every_design_in_flatten_deit_trains_with_its_class_token(name):
     assert designs == {name}
     with pytest.raises(ValueError, match=r"attn_design must be one of \('focused'.*got 'x'"):
         FLattenDeiT(embed_dims=16, num_heads=2, depth=2, attn_design='x')
+
+
+@pytest.mark.parametrize('name', NAMES)
+@pytest.mark.parametrize('shape', [(2, 20), (1, 21)])
+def test_key_mask_of_the_wrong_shape_is_named(name, shape):
+    """A key mask without the class token's entry, or one for the whole batch,
+    is a ValueError naming both shapes in every design (it was a shape error
+    from inside torch, and (1, N) ran in some designs only)."""
+    m = FocusedLinearAttention(32, 4, design=name, pos_grid=4, num_prefix_tokens=1)
+    with pytest.raises(ValueError, match=r'key_mask must be \(B, N\) = \(2, 21\), one entry '
+                                         r'per token of x, got ' + re.escape(str(shape))):
+        m(torch.randn(2, 21, 32), (4, 5), torch.ones(shape, dtype=torch.bool))

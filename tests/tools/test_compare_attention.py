@@ -1,8 +1,10 @@
 """tools/analysis_tools/compare_attention.py: one row per design with real
 numbers, on the tiny shapes data; bad design specs stop it before training."""
+import argparse
 import csv
 import importlib.util
 import json
+import os
 import os.path as osp
 
 import pytest
@@ -28,8 +30,7 @@ def data_options(shapes):
 
 def two_designs():
     """Two designs that own different parameters."""
-    designs = load_tool().known_designs()
-    return ['focused', 'relu'] if 'relu' in designs else ['focused', 'focused:kernel_size=3']
+    return ['focused', 'relu']
 
 
 def test_two_designs_give_one_row_each_with_real_numbers(shapes, tmp_path):
@@ -61,6 +62,12 @@ def test_two_designs_give_one_row_each_with_real_numbers(shapes, tmp_path):
     (['focused:kernel_size=x'], r"knob kernel_size='x' in 'focused:kernel_size=x': not an integer"),
     (['focused:focusing_factor'], r"knob 'focusing_factor' \(write knob=value\)"),
     (['focused', 'focused'], r"design spec 'focused' is given twice"),
+    (['focused:focusing_factor=2', 'focused:focusing_factor=2.0'],
+     r"design spec 'focused:focusing_factor=2.0' is given twice "
+     r"\(as 'focused:focusing_factor=2'\)"),
+    (['focused', 'focused:'], r"empty knob list in 'focused:': write focused:knob=value"),
+    (['focused:kernel_size=3,kernel_size=5'],
+     r"knob 'kernel_size' is given twice in 'focused:kernel_size=3,kernel_size=5'"),
     (['focused', 'focused:focusing_factor=-1'],
      r"design 'focused:focusing_factor=-1': the model does not build: .*focusing_factor"),
 ])
@@ -116,3 +123,87 @@ def test_an_epoch_based_config_runs_by_iterations(tmp_path, model):
     assert cfg.train_cfg == dict(type='IterBasedTrainLoop', max_iters=5, val_interval=5)
     assert all(s.convert_to_iter_based for s in cfg.param_scheduler if s.get('by_epoch', True))
     assert cfg.log_processor.by_epoch is False and cfg.default_hooks.checkpoint is None
+
+
+def test_runs_are_deterministic_without_stopping_on_cuda(shapes, tmp_path, monkeypatch):
+    """mmengine's deterministic=True stops a CUDA run at its first matmul
+    unless CUBLAS_WORKSPACE_CONFIG is set, and at any op without a deterministic
+    kernel (bilinear resizing's backward): the tool sets the variable and
+    keeps deterministic algorithms in warn-only mode."""
+    import torch
+    tool = load_tool()
+    monkeypatch.delenv('CUBLAS_WORKSPACE_CONFIG', raising=False)
+    _, args = tool.parse_args([CONFIG, '--iters', '1', '--work-dir', str(tmp_path),
+                               *data_options(shapes)])
+    cfg = tool.run_config(args, tool.parse_spec('focused', tool.known_designs()))
+    was = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        tool.build_runner(cfg)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
+@pytest.mark.parametrize('metrics, picked', [
+    (dict(aAcc=80.0, mIoU=40.0, mAcc=50.0), ('mIoU', 40.0)),
+    (dict(aAcc=80.0, mDice=45.0, mAcc=50.0), ('mDice', 45.0)),  # iou_metrics=['mDice']
+    (dict(aAcc=80.0, mFscore=47.0, mPrecision=48.0, mRecall=46.0, mAcc=50.0),
+     ('mFscore', 47.0)),
+    ({'accuracy/top1': 70.0, 'accuracy/top5': 90.0}, ('accuracy/top1', 70.0)),
+    (dict(aAcc=80.0), ('aAcc', 80.0)),
+    ({}, (None, None)),
+])
+def test_metric_is_the_first_after_the_pixel_accuracy(metrics, picked):
+    """mmseg's IoUMetric with mDice or mFscore: its figure, not aAcc (which
+    was reported when mIoU was not asked for)."""
+    tool = load_tool()
+    assert tool.pick_metric(metrics) == picked
+    assert tool.pick_metric(metrics, 'mAcc' if 'mAcc' in metrics else None) == \
+        (('mAcc', 50.0) if 'mAcc' in metrics else picked)
+
+
+def test_finished_runs_are_written_before_a_later_run_fails(tmp_path, monkeypatch):
+    """The table files are written after each run: a run that fails (out of
+    memory, a bad --metric) keeps the rows of the runs before it (they were
+    all lost)."""
+    tool = load_tool()
+    specs = [tool.parse_spec(t, tool.known_designs()) for t in ('focused', 'relu')]
+    cfgs = [argparse.Namespace(work_dir=str(tmp_path / s.slug)) for s in specs]
+    monkeypatch.setattr(tool, 'prepare', lambda args: [
+        (s, c, dict(params_M=1.0, flops_G=2.0, shape='64x64')) for s, c in zip(specs, cfgs)])
+
+    def train_one(spec, cfg, cost, metric=None):
+        if spec.design == 'relu':
+            raise RuntimeError('out of memory')
+        return dict(design=spec.text, attn_design=spec.design, knobs='', **cost,
+                    train_step_s=0.5, infer_ms_per_img=3.0, metric='mIoU', value=41.5,
+                    all_metrics={}, work_dir=cfg.work_dir)
+    monkeypatch.setattr(tool, 'train_one', train_one)
+    with pytest.raises(RuntimeError, match='out of memory'):
+        tool.main([CONFIG, '--designs', 'focused', 'relu', '--work-dir', str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / 'results.csv')))
+    assert [(r['design'], r['value'], r['shape']) for r in rows] == [('focused', '41.5', '64x64')]
+
+
+def test_epoch_based_checkpoints_at_evaluations_not_every_iteration(tmp_path):
+    """--keep-checkpoints with an ImageNet config: its checkpoint interval of
+    1 (epoch) became 1 iteration, a checkpoint per step; now one per
+    evaluation."""
+    tool = load_tool()
+    config = osp.join(ROOT, 'configs/attention_designs/flatten-deit-t_hydra-attn_8xb128_in1k.py')
+    _, args = tool.parse_args([config, '--iters', '6', '--val-interval', '3',
+                               '--keep-checkpoints', '--work-dir', str(tmp_path)])
+    cfg = tool.run_config(args, tool.parse_spec('hydra', tool.known_designs()))
+    assert cfg.default_hooks.checkpoint.by_epoch is False
+    assert cfg.default_hooks.checkpoint.interval == 3
+
+
+def test_a_missing_config_is_named(tmp_path, capsys):
+    """(was a FileNotFoundError traceback from mmengine)"""
+    missing = str(tmp_path / 'nosuch.py')
+    with pytest.raises(SystemExit):
+        load_tool().main([missing, '--iters', '1', '--work-dir', str(tmp_path)])
+    assert f'config not found: {missing}' in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """tools/analysis_tools/visualize_attention.py draws the attention rows that
 phi(Q) phi(K)^T gives, written out here from the layer's own weights."""
 import os.path as osp
+import re
 import sys
 
 import numpy as np
@@ -100,6 +101,22 @@ def test_layers_listing_and_clear_errors(files, tmp_path, capsys):
         tool.main(['flatten_vit', ckpt, image])
     with pytest.raises(SystemExit, match='image not found'):
         tool.main(['flatten_pvt_tiny', ckpt, str(tmp_path / 'none.png')])
+
+
+@pytest.mark.parametrize('kwargs, listed', [(dict(attn_design='hydra'), "['hydra']"),
+                                             (dict(attn_type='SSSS'), 'none')])
+def test_a_model_without_focused_layers_is_named(files, tmp_path, kwargs, listed):
+    """Another design (configs/attention_designs) or softmax stages only: a
+    message naming what the model has (was a ValueError traceback from deep
+    in the analysis, or an IndexError)."""
+    _, image, _ = files
+    ckpt = str(tmp_path / 'other.pth')
+    torch.save(FLattenPVT(arch='tiny', **kwargs).state_dict(), ckpt)
+    config = tmp_path / 'other.py'
+    config.write_text(f'model = dict(backbone=dict(type="FLattenPVT", arch="tiny", **{kwargs!r}))')
+    with pytest.raises(SystemExit, match=re.escape(f'no layer with focused linear attention '
+                                                   f'(its linear layers: {listed})')):
+        tool.main([str(config), ckpt, image, '--out', str(tmp_path / 'a.png')])
 
 
 def test_flatten_deit_class_token_is_a_key(tmp_path):

@@ -10,16 +10,19 @@ with knobs of that design after a colon, comma-separated:
 ``model.backbone.attn_design`` and the knobs in the config and is trained with
 mmengine's Runner (as tools/train.py) for ``--iters`` iterations, evaluated
 with the config's evaluator, in its own work dir under ``--work-dir``, with
-the same seed and ``randomness.deterministic=True``. Every spec is checked,
+the same seed and ``randomness.deterministic=True`` (deterministic algorithms where
+PyTorch has them; an op without one warns). Every spec is checked,
 and every model built (params, FLOPs), before the first run trains.
 
 Columns: params and FLOPs of the whole model (FLOPs as get_flops.py counts
-them, at ``--shape``: default the config's data-preprocessor size, else 224);
+them, at ``--shape``: default the config's data-preprocessor size, else the
+validation pipeline's last crop or resize, else 224);
 the median training step (``train_step``, the iterations after the first; the
 batch is the config's) and inference per image (the validation iterations,
-pre- and post-processing included, data loading not); the metric the
-evaluator reports first (``mIoU`` for mmseg's IoUMetric, whose first key is
-the pixel accuracy aAcc), or ``--metric``. Writes ``results.csv``,
+pre- and post-processing and the evaluator's per-batch work included, data
+loading not); the metric the
+evaluator reports first after the side figure aAcc (mmseg's IoUMetric's first key,
+before ``mIoU``, ``mDice`` or ``mFscore``), or ``--metric``. Writes ``results.csv``,
 ``results.json`` and ``results.png`` (with matplotlib) to ``--work-dir``.
 """
 import argparse
@@ -40,17 +43,16 @@ from mmengine.hooks import Hook  # noqa: E402
 
 # the knobs a design spec may set, and the type of their values
 KNOB_TYPES = {'focusing_factor': float, 'kernel_size': int}
-PREFERRED_METRICS = ('mIoU', )  # chosen over a first key that is a side figure (aAcc)
+# first keys that are a side figure: mmseg's IoUMetric puts the pixel accuracy first,
+# before mIoU, mDice or mFscore (whichever its iou_metrics ask for)
+SIDE_METRICS = ('aAcc', )
 FIELDS = ['design', 'attn_design', 'knobs', 'params_M', 'flops_G', 'train_step_s',
           'infer_ms_per_img', 'metric', 'value', 'work_dir']
 
 
 def known_designs() -> tuple:
-    """The attention designs the installed flatten_mm offers."""
-    try:
-        from flatten_mm.models.designs import DESIGNS
-    except ImportError:  # a flatten_mm before the designs: FLatten's own only
-        return ('focused', )
+    """The attention designs of flatten_mm (this checkout's: ROOT is first on sys.path)."""
+    from flatten_mm.models.designs import DESIGNS
     return tuple(DESIGNS)
 
 
@@ -58,12 +60,9 @@ def design_knobs(name: str) -> Dict[str, type]:
     """The knobs of design ``name``: ``focusing_factor`` (p) is the focused
     design's, ``kernel_size`` (the DWC on V, 0 for none) that of every design
     with a DWC."""
-    try:
-        from flatten_mm.models.designs import DESIGNS
-        dwc = DESIGNS[name].dwc
-    except ImportError:
-        dwc = name == 'focused'
-    names = (['focusing_factor'] if name == 'focused' else []) + (['kernel_size'] if dwc else [])
+    from flatten_mm.models.designs import DESIGNS
+    names = (['focusing_factor'] if name == 'focused' else []) + \
+        (['kernel_size'] if DESIGNS[name].dwc else [])
     return {k: KNOB_TYPES[k] for k in names}
 
 
@@ -80,7 +79,7 @@ class Spec(NamedTuple):
 
 def parse_spec(text: str, designs: tuple) -> Spec:
     """``name[:knob=value[,knob=value]]`` -> Spec; ValueError naming what is wrong."""
-    name, _, rest = text.partition(':')
+    name, colon, rest = text.partition(':')
     if name not in designs:
         raise ValueError(f'unknown attention design {name!r} in {text!r}; '
                          f'choose from {list(designs)}')
@@ -92,22 +91,27 @@ def parse_spec(text: str, designs: tuple) -> Spec:
             what = f'knob {key!r}' if eq else f'knob {item!r} (write knob=value)'
             raise ValueError(f'{what} in {text!r}: design {name!r} takes '
                              f'{sorted(allowed) or "no knobs"}')
+        if key in knobs:
+            raise ValueError(f'knob {key!r} is given twice in {text!r}')
         try:
             knobs[key] = allowed[key](value)
         except ValueError:
             raise ValueError(f'knob {key}={value!r} in {text!r}: not '
                              f'{"an integer" if allowed[key] is int else "a number"}') from None
-    if rest and not knobs:
+    if colon and not knobs:
         raise ValueError(f'empty knob list in {text!r}: write {name}:knob=value')
     return Spec(text, name, knobs)
 
 
 def parse_specs(texts: List[str], designs: tuple) -> List[Spec]:
     specs = [parse_spec(t, designs) for t in texts]
-    slugs = [s.slug for s in specs]
-    for s in specs:
-        if slugs.count(s.slug) > 1:
-            raise ValueError(f'design spec {s.text!r} is given twice')
+    seen = {}
+    for s in specs:  # the same run, however written (2 and 2.0, knobs in another order)
+        run = (s.design, tuple(sorted(s.knobs.items())))
+        if run in seen:
+            same = '' if seen[run] == s.text else f' (as {seen[run]!r})'
+            raise ValueError(f'design spec {s.text!r} is given twice{same}')
+        seen[run] = s.text
     return specs
 
 
@@ -135,6 +139,8 @@ def parse_args(argv=None):
                         help='override config entries of every run, e.g. '
                         'train_dataloader.batch_size=4')
     args = parser.parse_args(argv)
+    if not Path(args.config).is_file():
+        parser.error(f'config not found: {args.config}')
     if args.iters < 1:
         parser.error(f'--iters must be >= 1, got {args.iters}')
     if args.val_interval is not None and not 1 <= args.val_interval <= args.iters:
@@ -196,7 +202,8 @@ def to_iterations(cfg: Config, iters: int, val_interval: int) -> None:
     """An iteration-based loop of ``iters`` iterations. An epoch-based config
     (the ImageNet ones) keeps its schedule in iterations (its epoch-stepped
     schedulers converted, as ``convert_to_iter_based`` does) and logs by
-    iteration; the schedule is cut at ``iters``, the same for every design."""
+    iteration, and checkpoints (``--keep-checkpoints``) at each evaluation; the
+    schedule is cut at ``iters``, the same for every design."""
     train_cfg = cfg.get('train_cfg') or {}
     if train_cfg.get('type', 'IterBasedTrainLoop') != 'IterBasedTrainLoop' \
             or train_cfg.get('by_epoch'):
@@ -208,8 +215,8 @@ def to_iterations(cfg: Config, iters: int, val_interval: int) -> None:
         hooks = cfg.get('default_hooks') or {}
         if hooks.get('logger'):
             hooks.logger['log_metric_by_epoch'] = False
-        if hooks.get('checkpoint'):
-            hooks.checkpoint['by_epoch'] = False
+        if hooks.get('checkpoint'):  # its interval counted epochs: now each evaluation
+            hooks.checkpoint.update(by_epoch=False, interval=val_interval)
     cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=iters, val_interval=val_interval)
 
 
@@ -254,7 +261,7 @@ def pick_metric(metrics: dict, wanted: str = None):
         return wanted, metrics[wanted]
     if not metrics:
         return None, None
-    key = next((k for k in PREFERRED_METRICS if k in metrics), next(iter(metrics)))
+    key = next((k for k in metrics if k not in SIDE_METRICS), next(iter(metrics)))
     return key, metrics[key]
 
 
@@ -304,9 +311,24 @@ def prepare(args) -> list:
     return runs
 
 
-def train_one(spec: Spec, cfg: Config, cost: dict, metric: str = None) -> dict:
+def build_runner(cfg: Config):
+    """mmengine's Runner of one run. ``randomness.deterministic=True`` turns on
+    ``torch.use_deterministic_algorithms``, under which CUDA stops a run at its
+    first cuBLAS product unless ``CUBLAS_WORKSPACE_CONFIG`` was set before it, and at
+    any op without a deterministic kernel: the variable is set (if unset) and
+    such ops warn instead (``warn_only``)."""
+    import os
+    import torch
     from mmengine.runner import Runner
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     runner = Runner.from_cfg(cfg)
+    if torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    return runner
+
+
+def train_one(spec: Spec, cfg: Config, cost: dict, metric: str = None) -> dict:
+    runner = build_runner(cfg)
     timing = Timing()
     runner.register_hook(timing)
     runner.register_hook(StartClock(timing))
@@ -385,7 +407,7 @@ def main(argv=None):
     for spec, cfg, cost in runs:
         print(f'=== {spec.text}: training {args.iters} iterations in {cfg.work_dir}', flush=True)
         rows.append(train_one(spec, cfg, cost, args.metric))
-    write_outputs(rows, Path(args.work_dir))
+        write_outputs(rows, Path(args.work_dir))  # after each run: a later failure keeps it
     print_table(rows)
     print(f'table: {Path(args.work_dir) / "results.csv"}')
     return rows

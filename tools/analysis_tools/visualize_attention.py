@@ -88,8 +88,17 @@ def build_backbone(model: str, checkpoint: str) -> torch.nn.Module:
 
 
 def focused_layers(backbone: torch.nn.Module) -> dict:
-    return {name: m for name, m in backbone.named_modules()
-            if isinstance(m, FocusedLinearAttention)}
+    """The backbone's linear attention layers with the focused design (the
+    weights the tool draws); SystemExit naming the designs when it has none."""
+    linear = {name: m for name, m in backbone.named_modules()
+              if isinstance(m, FocusedLinearAttention)}
+    layers = {name: m for name, m in linear.items() if m.attn_design == 'focused'}
+    if not layers:
+        designs = sorted({m.attn_design for m in linear.values()})
+        raise SystemExit('the model has no layer with focused linear attention (its linear '
+                         f'layers: {designs or "none"}); the tool draws the focused '
+                         "design's weights, of attn_design='focused' in an L stage")
+    return layers
 
 
 def load_image(path: str, size) -> tuple:
