@@ -207,3 +207,32 @@ def test_a_missing_config_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_tool().main([missing, '--iters', '1', '--work-dir', str(tmp_path)])
     assert f'config not found: {missing}' in capsys.readouterr().err
+
+
+def test_weights_of_one_design_are_not_started_from_by_another(tmp_path):
+    """The ADE20K configs start from ImageNet weights of their own design: the
+    tool refuses specs whose parameters those weights do not fit (another
+    design, another DWC kernel), before anything is built, and takes the
+    config's own design or a run from scratch."""
+    tool = load_tool()
+    designs = tool.known_designs()
+    config = osp.join(ROOT, 'configs/attention_designs/'
+                            'upernet_flatten-swin-t_relu-attn_8xb2-160k_ade20k-512x512.py')
+    _, args = tool.parse_args([config, '--iters', '5', '--work-dir', str(tmp_path)])
+    ckpt = 'work_dirs/flatten-swin-t_relu-attn_8xb128_in1k/epoch_300.pth'
+    with pytest.raises(SystemExit, match=(
+            rf"design 'hydra': the model starts from '{ckpt}', weights of "
+            r"attn_design='relu', kernel_size=5, which do not fit attn_design='hydra'; "
+            r"compare from scratch with --cfg-options model.backbone.init_cfg=None")):
+        tool.run_config(args, tool.parse_spec('hydra', designs))
+    assert tool.run_config(args, tool.parse_spec('relu', designs)).model.backbone.attn_design \
+        == 'relu'
+    focused = osp.join(ROOT, 'configs/flatten_swin/upernet_flatten-swin-t_8xb2-160k_ade20k-'
+                             '512x512.py')
+    _, args = tool.parse_args([focused, '--iters', '5', '--work-dir', str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"which do not fit kernel_size=3"):
+        tool.run_config(args, tool.parse_spec('focused:kernel_size=3', designs))
+    _, args = tool.parse_args([focused, '--iters', '5', '--work-dir', str(tmp_path),
+                               '--cfg-options', 'model.backbone.init_cfg=None'])
+    assert tool.run_config(args, tool.parse_spec('angular', designs)).model.backbone \
+        .attn_design == 'angular'

@@ -180,6 +180,27 @@ def apply_spec(cfg: Config, spec: Spec, cls) -> None:
         cfg.model.backbone[key] = value
 
 
+def check_pretrained(cfg: Config, spec: Spec, own: dict) -> None:
+    """Stop if the model starts from a checkpoint of another design: weights
+    learnt by one design (its parameters, its DWC's kernel) do not fit another,
+    so the run would fail to load them or compare unlike starts. ``own``: the
+    config's ``attn_design`` and ``kernel_size`` before the spec was applied."""
+    init = cfg.model.backbone.get('init_cfg') or {}
+    start = cfg.get('load_from') or (init.get('checkpoint') if isinstance(init, dict) and
+                                     init.get('type') == 'Pretrained' else None)
+    if not start:
+        return
+    changed = [f'{key}={cfg.model.backbone.get(key, own[key])!r}' for key in own
+               if cfg.model.backbone.get(key, own[key]) != own[key]]
+    if changed:
+        raise SystemExit(
+            f'design {spec.text!r}: the model starts from {start!r}, '
+            f'weights of attn_design={own["attn_design"]!r}, kernel_size={own["kernel_size"]!r}, '
+            f'which do not fit {", ".join(changed)}; compare from scratch with --cfg-options '
+            f'model.backbone.init_cfg=None load_from=None, or train each design\'s own config '
+            f'(configs/attention_designs) with tools/train.py')
+
+
 def run_config(args, spec: Spec) -> Config:
     """The config of one design's run: iterations, evaluation, seed, work dir."""
     from flatten_mm.engine import add_hooks
@@ -188,7 +209,12 @@ def run_config(args, spec: Spec) -> Config:
                             launcher='none', local_rank=0,
                             work_dir=str(Path(args.work_dir) / spec.slug))
     cfg = load_config(ns)
-    apply_spec(cfg, spec, backbone_class(cfg, args.config))
+    cls = backbone_class(cfg, args.config)
+    defaults = inspect.signature(cls).parameters
+    own = {key: cfg.model.backbone.get(key, defaults[key].default if key in defaults else None)
+           for key in ('attn_design', 'kernel_size')}
+    apply_spec(cfg, spec, cls)
+    check_pretrained(cfg, spec, own)
     to_iterations(cfg, args.iters, args.val_interval or args.iters)
     cfg.randomness = dict(seed=args.seed, deterministic=True)
     cfg.experiment_name = spec.slug  # the Runner appends the time
