@@ -435,3 +435,38 @@ def test_key_mask_of_the_wrong_shape_is_named(name, shape):
     with pytest.raises(ValueError, match=r'key_mask must be \(B, N\) = \(2, 21\), one entry '
                                          r'per token of x, got ' + re.escape(str(shape))):
         m(torch.randn(2, 21, 32), (4, 5), torch.ones(shape, dtype=torch.bool))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+@pytest.mark.parametrize('name', NAMES)
+def test_every_design_on_cuda_equals_cpu(name):
+    """On a GPU, in training mode at an odd size (FLatten-Swin: padded windows'
+    key masks): outputs and parameter gradients equal the CPU's (fp32, TF32 off);
+    under bf16 autocast outputs stay finite and near fp32."""
+    torch.manual_seed(0)
+    model = build('FLattenSwin', attn_design=name, drop_path_rate=0.).train()
+    x = torch.randn(2, 3, 67, 93)
+
+    def run(m, images):
+        m.zero_grad()
+        outs = m(images)
+        sum(o.pow(2).mean() for o in outs).backward()
+        return [o.detach().cpu() for o in outs], {
+            n: p.grad.detach().cpu() for n, p in m.named_parameters()}
+
+    want, want_grads = run(model, x)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        got, got_grads = run(model.cuda(), x.cuda())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-3, atol=1e-5, msg=n)
+    with torch.no_grad(), torch.autocast('cuda', dtype=torch.bfloat16):
+        outs = model(x.cuda())
+    for a, b in zip(outs, want):
+        assert torch.isfinite(a).all()
+        assert ((a.float().cpu() - b).norm() / b.norm()).item() < 3e-2
