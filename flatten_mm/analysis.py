@@ -34,7 +34,7 @@ convolutions, linear layers), in the same convention; each design's
   (q and k carry one more feature each: 1 and 1/2).
 """
 from collections import Counter
-from typing import Callable, Dict, Iterable, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -110,30 +110,42 @@ def flop_analyzer(model: nn.Module, inputs):
     return analyzer
 
 
-def focusing_ops(model: nn.Module, forward: Callable[[], object]) -> int:
-    """Element-wise operations of every focused mapping run by ``forward()``.
-
-    Counts ``FOCUS_OPS_PER_ELEMENT`` per element of q and of k in each
-    :class:`~flatten_mm.FocusedLinearAttention` of ``model`` with the focused design.
-    """
+def _run_hooked(model: nn.Module, forward: Callable[[], object],
+                count: Callable[[nn.Module, Tensor, HWShape], None],
+                designs: Optional[Iterable[str]] = None) -> None:
+    """``forward()`` without gradients, ``count(layer, x, hw_shape)`` called by
+    every :class:`~flatten_mm.FocusedLinearAttention` of ``model`` it runs
+    (of the given designs only, if any)."""
     from .models.attention import FocusedLinearAttention
-    total = 0
 
     def hook(module, args, kwargs, output):
-        nonlocal total
-        x = args[0]
-        hw = args[1] if len(args) > 1 else kwargs['hw_shape']
-        keys = x.shape[0] * _key_count(module, hw)
-        total += FOCUS_OPS_PER_ELEMENT * module.embed_dims * (x.shape[0] * x.shape[1] + keys)
+        count(module, args[0], args[1] if len(args) > 1 else kwargs['hw_shape'])
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()
-               if isinstance(m, FocusedLinearAttention) and m.attn_design == 'focused']
+               if isinstance(m, FocusedLinearAttention) and
+               (designs is None or m.attn_design in designs)]
     try:
         with torch.no_grad():
             forward()
     finally:
         for h in handles:
             h.remove()
+
+
+def focusing_ops(model: nn.Module, forward: Callable[[], object]) -> int:
+    """Element-wise operations of every focused mapping run by ``forward()``.
+
+    Counts ``FOCUS_OPS_PER_ELEMENT`` per element of q and of k in each
+    :class:`~flatten_mm.FocusedLinearAttention` of ``model`` with the focused design.
+    """
+    total = 0
+
+    def count(module: nn.Module, x: Tensor, hw: HWShape) -> None:
+        nonlocal total
+        keys = x.shape[0] * _key_count(module, hw)
+        total += FOCUS_OPS_PER_ELEMENT * module.embed_dims * (x.shape[0] * x.shape[1] + keys)
+
+    _run_hooked(model, forward, count, designs=('focused',))
     return total
 
 
@@ -149,24 +161,14 @@ def attention_flops(model: nn.Module, forward: Callable[[], object]) -> Dict[str
     """FLOPs of the attention terms (``Design.flops``: no projections, no
     convolutions) of every :class:`~flatten_mm.FocusedLinearAttention` of
     ``model`` run by ``forward()``, by design name."""
-    from .models.attention import FocusedLinearAttention
     totals: Counter = Counter()
 
-    def hook(module, args, kwargs, output):
-        x = args[0]
-        hw = args[1] if len(args) > 1 else kwargs['hw_shape']
+    def count(module: nn.Module, x: Tensor, hw: HWShape) -> None:
         B, N, C = x.shape
         totals[module.attn_design] += B * module._design.flops(
             N, _key_count(module, hw), C, module.num_heads)
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True)
-               for m in model.modules() if isinstance(m, FocusedLinearAttention)]
-    try:
-        with torch.no_grad():
-            forward()
-    finally:
-        for h in handles:
-            h.remove()
+    _run_hooked(model, forward, count)
     return dict(totals)
 
 
