@@ -32,3 +32,14 @@ def load_config(args) -> Config:
         cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
     flatten_mm.setup_distributed(cfg)  # gloo and CPU DDP when there is no GPU
     return cfg
+
+
+def end_distributed() -> None:
+    """Destroy the process group a distributed launch made, if any, before the
+    interpreter exits: left to interpreter teardown, gloo's worker threads can
+    abort the process ("terminate called without an active exception", exit
+    code -6) after the run has finished and saved everything."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+

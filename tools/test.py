@@ -10,7 +10,7 @@ from mmengine.runner import Runner
 
 from flatten_mm.engine import add_hooks
 
-from common import add_common_args, load_config
+from common import add_common_args, end_distributed, load_config
 
 
 def parse_args(argv=None):
@@ -47,7 +47,10 @@ def main(argv=None):
         else:  # mmseg's hook draws through the visualizer's save_dir
             cfg.visualizer.save_dir = osp.join(cfg.work_dir, args.show_dir)
     runner = Runner.from_cfg(cfg)
-    metrics = runner.test()
+    try:
+        metrics = runner.test()
+    finally:
+        end_distributed()
     if args.metrics_out:
         import json
         with open(args.metrics_out, 'w') as f:

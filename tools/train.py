@@ -14,7 +14,7 @@ from mmengine.runner import Runner
 
 from flatten_mm.engine import add_hooks
 
-from common import add_common_args, load_config
+from common import add_common_args, end_distributed, load_config
 
 
 def parse_args(argv=None):
@@ -53,7 +53,10 @@ def build_config(args):
 def main(argv=None):
     args = parse_args(argv)
     runner = Runner.from_cfg(build_config(args))
-    runner.train()
+    try:
+        runner.train()
+    finally:
+        end_distributed()
 
 
 if __name__ == '__main__':

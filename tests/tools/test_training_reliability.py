@@ -177,3 +177,30 @@ def test_mmseg_own_train_script_trains_our_segmentation_config(shapes, tmp_path)
     log = run(upstream_tool('mmseg'), SEG, '--work-dir', work, *seg_options(shapes, 2), cwd=ROOT)
     assert len(losses(log)) == 2 and 'mIoU' in log
     assert osp.exists(osp.join(work, 'iter_2.pth'))
+
+
+def test_train_and_test_scripts_end_the_process_group(monkeypatch):
+    """tools/train.py and tools/test.py destroy the process group of a
+    distributed launch when the run ends (left to interpreter exit, gloo's
+    threads can abort a finished run with exit code -6), even if it failed."""
+    import torch.distributed as dist
+    monkeypatch.syspath_prepend(osp.join(ROOT, 'tools'))
+    import common
+    import train
+
+    class Failing:
+        def train(self):
+            raise RuntimeError('the run failed')
+
+    monkeypatch.setattr(train.Runner, 'from_cfg', staticmethod(lambda cfg: Failing()))
+    monkeypatch.setattr(train, 'build_config', lambda args: None)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}',
+                            rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match='the run failed'):
+            train.main([SEG])
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    common.end_distributed()  # no process group: nothing to do
