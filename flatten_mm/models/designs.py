@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import EPS, focused_linear_attention
+from .ops import EPS, focused_linear_attention, in_fp32
 from .utils import HWShape
 
 #: EfficientViT's normaliser epsilon (its LiteMLA's default)
@@ -48,17 +48,6 @@ def check_kernel_size(value) -> int:
         raise ValueError('kernel_size must be odd (the DWC keeps the grid size) and positive, '
                          f'or 0 for no DWC; got {value!r}')
     return value
-
-
-def _in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
-             *args) -> Tensor:
-    """``fn(q, k, v, *args)`` on fp32 copies of half-precision inputs (the
-    sums over tokens in fp32), autocast off; the output in v's dtype."""
-    dtype = v.dtype
-    ct = torch.promote_types(dtype, torch.float32)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        out = fn(q.to(ct), k.to(ct), v.to(ct), *args)
-    return out.to(dtype)
 
 
 def _heads(x: Tensor, num_heads: int) -> Tensor:
@@ -113,7 +102,7 @@ def relu_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     """ReLU linear attention (Katharopoulos et al. 2020, phi = ReLU), per head:
     ``out_i = phi(q_i) sum_j phi(k_j)^T v_j / (phi(q_i) . sum_j phi(k_j) + eps)``
     over the real keys. (B, N, C)."""
-    return _in_fp32(_relu, q, k, v, num_heads, key_mask, eps)
+    return in_fp32(_relu, q, k, v, num_heads, key_mask, eps)
 
 
 def _efficient(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
@@ -132,7 +121,7 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     ``rho_q(Q) (rho_k(K)^T V)`` with rho_q a softmax of each query over its d
     channels and rho_k a softmax of each key channel over the (real) keys; no
     1/sqrt(d) scaling (as the paper). (B, N, C)."""
-    return _in_fp32(_efficient, q, k, v, num_heads, key_mask)
+    return in_fp32(_efficient, q, k, v, num_heads, key_mask)
 
 
 def _hydra(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tensor:
@@ -150,7 +139,7 @@ def hydra_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int = 0,
     k L2-normalised over all C channels (cosine similarity), and
     ``out_i = q^_i * sum_j k^_j * v_j`` (element-wise) over the real keys;
     unnormalised, as the paper. ``num_heads`` is not used (it is C). (B, N, C)."""
-    return _in_fp32(_hydra, q, k, v, key_mask)
+    return in_fp32(_hydra, q, k, v, key_mask)
 
 
 def _angular(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
@@ -174,7 +163,7 @@ def angular_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     and L2-normalises each output row; we keep the kernel's own row
     normalisation, so a row's weights sum to 1.) The DWC on V is the layer's.
     (B, N, C)."""
-    return _in_fp32(_angular, q, k, v, num_heads, key_mask)
+    return in_fp32(_angular, q, k, v, num_heads, key_mask)
 
 
 def efficientvit_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,

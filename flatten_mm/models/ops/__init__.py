@@ -9,7 +9,7 @@ Layout: ``reference`` (the formula), ``autograd`` (the PyTorch-ops backend),
 from .autograd import FocusedLinearAttentionFn
 from .conv import DepthwiseConvFn, depthwise_conv
 from .dispatch import (available_backends, choose_backend, focused_linear_attention,
-                       get_backend, register_backend, set_backend, use_backend)
+                       get_backend, in_fp32, register_backend, set_backend, use_backend)
 from .dispatch import apply_environment as _apply_environment
 from .mlp import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .reference import EPS, focusing_map, linear_attention
@@ -20,6 +20,6 @@ _apply_environment()
 
 __all__ = [
     'EPS', 'focusing_map', 'linear_attention', 'focused_linear_attention', 'set_backend',
-    'get_backend', 'use_backend', 'available_backends', 'choose_backend', 'register_backend',
+    'get_backend', 'use_backend', 'available_backends', 'choose_backend', 'register_backend', 'in_fp32',
     'FocusedLinearAttentionFn', 'DepthwiseConvFn', 'depthwise_conv', 'TokenMlpFn', 'token_mlp', 'MLP_CHUNK_ROWS'
 ]

@@ -109,31 +109,39 @@ def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
     return _BACKENDS[name](q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
 
 
-def _in_fp32(core: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
-             scale: Tensor) -> Tensor:
-    """``core(q, k, v, softplus(scale))`` on fp32 copies (fp64 stays fp64) with
-    autocast off, the output in v's dtype: what both PyTorch backends need
-    under half precision (fp32 sums)."""
+def in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args) -> Tensor:
+    """``fn(q, k, v, *args)`` on fp32 copies of q, k, v (fp64 stays fp64) with
+    autocast off, the output in v's dtype: the sums over tokens of every
+    PyTorch-ops attention (both backends here, the compared designs) in fp32
+    under half precision."""
     dtype = v.dtype
     ct = torch.promote_types(dtype, torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        out = core(q.to(ct), k.to(ct), v.to(ct), F.softplus(scale.to(ct)).view(-1))
+        out = fn(q.to(ct), k.to(ct), v.to(ct), *args)
     return out.to(dtype)
+
+
+def _focusing_scale(scale: Tensor, like: Tensor) -> Tensor:
+    """softplus(scale) as (C,) in ``like``'s dtype (inside :func:`in_fp32`)."""
+    return F.softplus(scale.to(like.dtype)).view(-1)
 
 
 def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                    num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The hand-written autograd function."""
-    return _in_fp32(lambda q, k, v, s: FocusedLinearAttentionFn.apply(
-        q, k, v, 1.0 / s, focusing_factor, num_heads, key_mask, overwrite_qk), q, k, v, scale)
+    return in_fp32(lambda q, k, v: FocusedLinearAttentionFn.apply(
+        q, k, v, 1.0 / _focusing_scale(scale, q), focusing_factor, num_heads, key_mask,
+        overwrite_qk), q, k, v)
 
 
 def _reference_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                        num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The formula with autograd."""
-    return _in_fp32(lambda q, k, v, s: linear_attention(
-        focusing_map(q, s, focusing_factor), focusing_map(k, s, focusing_factor), v,
-        num_heads, key_mask), q, k, v, scale)
+    def formula(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        s = _focusing_scale(scale, q)
+        return linear_attention(focusing_map(q, s, focusing_factor),
+                                focusing_map(k, s, focusing_factor), v, num_heads, key_mask)
+    return in_fp32(formula, q, k, v)
 
 
 register_backend('torch', _torch_backend)
