@@ -8,12 +8,12 @@ out differently. Each family's renaming is one function on a whole state dict
 harmless on our own checkpoints:
 
 * :func:`pvt_convert` (FLatten-PVT, -PVTv2): the release's names are ours.
-* :func:`deit_convert` (FLatten-DeiT, never released): timm's DeiT names are ours.
 * :func:`swin_convert`: the linear attention's fused ``qkv`` is split into
   ``q`` and ``kv``; the stored cyclic-shift masks (``attn_mask``) are dropped
   (our windows need none).
 * :func:`cswin_convert`: a linear block's ``qkv`` and ``proj``, which the
   release keeps beside its attention, move into it (``qkv`` split).
+* FLatten-DeiT (never released) has timm's DeiT names: nothing to rename.
 
 Then :func:`fit_to_model` resizes what was learnt at another size to the
 model's (positional encodings, relative-position bias tables), and
@@ -23,6 +23,7 @@ registers (one, on the model), applies both to whatever is loaded into it.
 import re
 from typing import Dict
 
+import torch
 import torch.nn.functional as F
 from mmengine.logging import print_log
 from torch import Tensor, nn
@@ -31,6 +32,7 @@ from .checkpoint import extract_state_dict, unwrap_state_dict
 from .models.attention import FocusedLinearAttention
 from .models.layers import WindowSoftmaxAttention
 from .models.resize import resize_tokens
+from .models.utils import HWShape
 
 StateDict = Dict[str, Tensor]
 
@@ -54,12 +56,6 @@ def split_fused_qkv(state_dict: StateDict, prefix: str = '') -> StateDict:
 
 def pvt_convert(state_dict: StateDict) -> StateDict:
     """FLatten-PVT / -PVTv2 release -> ours: the same names."""
-    return state_dict
-
-
-def deit_convert(state_dict: StateDict) -> StateDict:
-    """FLatten-DeiT (no release; ours is the first) -> ours: the same names,
-    timm's DeiT names."""
     return state_dict
 
 
@@ -90,19 +86,21 @@ def cswin_convert(state_dict: StateDict) -> StateDict:
     return state_dict
 
 
-def fit_positional_encoding(pe: Tensor, layer: FocusedLinearAttention, key: str) -> Tensor:
-    """A positional encoding learnt on another square grid, resized
-    (bilinear) to the layer's ``pos_grid``; anything else as it is (a
-    mismatch is then load_state_dict's to report)."""
-    own = layer.positional_encoding
-    if pe.dim() != 3 or pe.shape[-1] != own.shape[-1] or pe.shape[1] == own.shape[1]:
-        return pe
-    side = int(round(pe.shape[1] ** 0.5))
-    if side * side != pe.shape[1]:
-        return pe
-    print_log(f'{key}: resized the positional encoding from {side}x{side} to '
-              f'{layer.pos_grid[0]}x{layer.pos_grid[1]}', logger='current')
-    return resize_tokens(pe.float(), (side, side), layer.pos_grid).to(pe.dtype)
+def fit_grid_tokens(tokens: Tensor, own: Tensor, grid: HWShape, key: str,
+                    num_prefix: int = 0) -> Tensor:
+    """Tokens (1, P + s*s, C) learnt on another square grid (a positional
+    encoding, DeiT's position embedding with P = 1 class slot), their grid
+    part resized (bilinear) to ``grid``, the model's (``own`` its tensor);
+    anything else as it is (a mismatch is then load_state_dict's to report)."""
+    if tokens.dim() != 3 or tokens.shape[-1] != own.shape[-1] or \
+            tokens.shape[1] == own.shape[1]:
+        return tokens
+    side = int(round((tokens.shape[1] - num_prefix) ** 0.5))
+    if side * side != tokens.shape[1] - num_prefix:
+        return tokens
+    print_log(f'{key}: resized from {side}x{side} to {grid[0]}x{grid[1]}', logger='current')
+    resized = resize_tokens(tokens[:, num_prefix:].float(), (side, side), grid)
+    return torch.cat([tokens[:, :num_prefix].float(), resized], 1).to(tokens.dtype)
 
 
 def fit_bias_table(table: Tensor, layer: WindowSoftmaxAttention) -> Tensor:
@@ -132,7 +130,8 @@ def fit_to_model(state_dict: StateDict, model: nn.Module) -> StateDict:
         if isinstance(layer, FocusedLinearAttention):
             key = f'{prefix}positional_encoding'
             if key in state_dict:
-                state_dict[key] = fit_positional_encoding(state_dict[key], layer, key)
+                state_dict[key] = fit_grid_tokens(state_dict[key], layer.positional_encoding,
+                                                  layer.pos_grid, key)
         elif isinstance(layer, WindowSoftmaxAttention):
             key = f'{prefix}relative_position_bias_table'
             if key in state_dict:

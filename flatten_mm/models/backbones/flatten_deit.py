@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...conversion import deit_convert
+from ...conversion import fit_grid_tokens
 from ..attention import FocusedLinearAttention
 from ..layers import (DropPath, Mlp, check_attn_type, check_images, drop_path_rates,
                       stage_output)
-from ..resize import add_resized, cached_resize_parts, resize_tokens
+from ..resize import add_resized, cached_resize_parts
 from ..utils import (HWShape, check_heads, check_number, check_positive_int, map_to_tokens,
                      pad_to_multiple)
 from .base import FLattenBackbone, Stage, StageOutput
@@ -48,19 +48,6 @@ def arch_from_dict(arch: dict, overrides: dict) -> dict:
 def quarter_ends(depth: int) -> tuple:
     """The last block of each quarter of ``depth`` blocks: (2, 5, 8, 11) for 12."""
     return tuple(sorted({max(depth * q // 4 - 1, 0) for q in range(1, 5)}))
-
-
-def fit_pos_embed(pe: Tensor, own: Tensor, grid: HWShape) -> Tensor:
-    """A position embedding (1, 1 + s*s, C) learnt on another square grid,
-    its grid part resized (bilinear) to ``grid``, the model's; anything else
-    as it is (a mismatch is then load_state_dict's to report)."""
-    if pe.dim() != 3 or pe.shape[-1] != own.shape[-1] or pe.shape[1] == own.shape[1]:
-        return pe
-    side = int(round((pe.shape[1] - 1) ** 0.5))
-    if side * side != pe.shape[1] - 1:
-        return pe
-    resized = resize_tokens(pe[:, 1:].float(), (side, side), grid)
-    return torch.cat([pe[:, :1].float(), resized], 1).to(pe.dtype)
 
 
 class ViTPatchEmbed(nn.Module):
@@ -326,10 +313,9 @@ class FLattenDeiT(FLattenBackbone):
     def convert_official(self, state_dict: dict) -> dict:
         """Our (timm's) names: nothing renamed; a position embedding learnt on
         another square grid is resized to this model's."""
-        state_dict = deit_convert(state_dict)
         if 'pos_embed' in state_dict:
-            state_dict['pos_embed'] = fit_pos_embed(state_dict['pos_embed'], self.pos_embed,
-                                                    self.pos_grid)
+            state_dict['pos_embed'] = fit_grid_tokens(state_dict['pos_embed'], self.pos_embed,
+                                                      self.pos_grid, 'pos_embed', num_prefix=1)
         return state_dict
 
     def default_init(self):
