@@ -222,6 +222,19 @@ def _query_terms(q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N
 
 
 @triton.jit
+def _query_chunk_program(s_inv_ptr, kv_ptr, km_ptr, N, h, D, BD: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr):
+    """What a backward program over (image * head, chunk of queries) starts from:
+    :func:`_head_program`'s values, its chunk, the row count R of the statistics
+    planes, the head's KV transposed (dot operand) and km."""
+    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
+    kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
+    km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
+    return (bh, b, col0, cols, cmask, s_inv, tl.program_id(1), N * (tl.num_programs(0) // h),
+            kv_t, km)
+
+
+@triton.jit
 def _query_state_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_ptr, dkv_ptr,
                              dkm_ptr, N, h, D, stride_qb, stride_qn, stride_gb, stride_gn, p,
                              blocks_per_prog, BLOCK_N: tl.constexpr, BD: tl.constexpr,
@@ -229,11 +242,8 @@ def _query_state_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr,
     """Backward pass 1 over one chunk of queries and one head: partial gradients of
     KV (sum_i w_i u_i g_i^T) and km (sum_i gd_i u_i), and each row's share of the
     gradient of c (gy eps / den^2; the caller sums it over heads) into gc (B, N, h)."""
-    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
-    chunk = tl.program_id(1)
-    R = N * (tl.num_programs(0) // h)
-    kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
-    km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
+    bh, b, col0, cols, cmask, s_inv, chunk, R, kv_t, km = _query_chunk_program(
+        s_inv_ptr, kv_ptr, km_ptr, N, h, D, BD, DOT_DTYPE)
     dkv = tl.zeros([BD, BD], dtype=tl.float32)
     dkm = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
@@ -268,11 +278,8 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
     """Backward pass 2 over one chunk of queries and one head: dq, and the chunk's
     partial gradient of s_inv for the head's channels. u's gradient is
     w A + gd km (A, gd recomputed: cheaper than storing a (B, N, C) fp32 buffer)."""
-    bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
-    chunk = tl.program_id(1)
-    R = N * (tl.num_programs(0) // h)
-    kv_t = tl.trans(_load_state(kv_ptr, bh, cols, D)).to(DOT_DTYPE)
-    km = tl.load(km_ptr + bh * D + cols, mask=cmask, other=0.0)
+    bh, b, col0, cols, cmask, s_inv, chunk, R, kv_t, km = _query_chunk_program(
+        s_inv_ptr, kv_ptr, km_ptr, N, h, D, BD, DOT_DTYPE)
     ds = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
