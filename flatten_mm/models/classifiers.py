@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
 from ..conversion import checkpoint_filter_fn, pvt_convert
+from .attention import grid_tokens
 from .utils import HWShape
 from .layers import check_images, stage_output
 from .backbones.flatten_cswin import FLattenCSwin
@@ -49,15 +50,22 @@ class ClassifierMixin:
     dense_final_norm: Optional[str] = None
 
     def _build_head(self, num_classes: int, global_pool: str = 'avg'):
-        if global_pool not in ('avg', ''):
-            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+        self.check_global_pool(global_pool)
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = self.embed_dims[-1]
         self.global_pool = global_pool
         self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-        self.feature_info = [dict(num_chs=c, reduction=4 * 2 ** stage.index,
+        self.feature_info = [dict(num_chs=c, reduction=self.stage_reduction(stage),
                                   module=stage.output_name)
                              for stage, c in zip(self.stages, self.embed_dims)]
+
+    def check_global_pool(self, global_pool: str) -> None:
+        if global_pool not in ('avg', ''):
+            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+
+    def stage_reduction(self, stage) -> int:
+        """The stride of a stage's output (feature_info): 4, 8, 16, 32."""
+        return 4 * 2 ** stage.index
 
     def get_classifier(self) -> nn.Module:
         return self.head
@@ -115,8 +123,9 @@ class ClassifierMixin:
 
     def intermediate_map(self, tokens: Tensor, hw_shape: HWShape, norm: bool) -> Tensor:
         """A stage's tokens as :meth:`forward_intermediates` returns them: an
-        NCHW map (after the final norm with ``norm``)."""
-        return stage_output(self.norm(tokens) if norm else tokens, hw_shape)
+        NCHW map of its grid's tokens (after the final norm with ``norm``)."""
+        tokens = self.norm(tokens) if norm else tokens
+        return stage_output(grid_tokens(tokens, self.num_prefix_tokens), hw_shape)
 
     def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1,
                                   prune_norm: bool = False, prune_head: bool = True) -> List[int]:
@@ -230,26 +239,19 @@ class FLattenDeiTClassifier(ClassifierMixin, FLattenDeiT):
         self._build_head(num_classes, global_pool)
         self.default_init()
 
-    def _build_head(self, num_classes: int, global_pool: str = 'token'):
+    def check_global_pool(self, global_pool: str) -> None:
         pools = ('token', 'avg', '') if self.with_cls_token else ('avg', '')
         if global_pool not in pools:
             raise ValueError(f'global_pool must be one of {pools}, got {global_pool!r}')
-        self.num_classes = num_classes
-        self.num_features = self.head_hidden_size = self.embed_dims[-1]
-        self.global_pool = global_pool
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-        self.feature_info = [dict(num_chs=c, reduction=self.patch_size, module=stage.output_name)
-                             for stage, c in zip(self.stages, self.embed_dims)]
+
+    def stage_reduction(self, stage) -> int:
+        return self.patch_size  # every block's tokens are on the patch grid
 
     def no_weight_decay(self) -> Set[str]:
         return super().no_weight_decay() | ({'cls_token'} if self.with_cls_token else set())
 
     def final_features(self, tokens: Tensor, hw_shape: HWShape, norm: bool = True) -> Tensor:
         return self.norm(tokens) if norm else tokens
-
-    def intermediate_map(self, tokens: Tensor, hw_shape: HWShape, norm: bool) -> Tensor:
-        tokens = self.norm(tokens) if norm else tokens
-        return stage_output(tokens[:, self.num_prefix_tokens:], hw_shape)  # the patch tokens
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         if self.global_pool == 'token':

@@ -92,6 +92,8 @@ class FLattenBackbone(BaseModule):
     (``ignore_missing``).
     """
     ignore_unexpected: Sequence[str] = (r'head\.',)
+    # tokens before the grid's in every stage (FLatten-DeiT's class token)
+    num_prefix_tokens: int = 0
     ignore_missing: Sequence[str] = ()
 
     arch_zoo: dict = {}
