@@ -8,8 +8,8 @@ under torch >= 2.6 (see :func:`flatten_mm.checkpoint.patch_mmengine_loading`), s
 in a config is all an OpenMMLab project needs.
 """
 from .checkpoint import load_checkpoint_file, load_pretrained, patch_mmengine_loading
-from .engine import (EmptyDatasetHook, RandomStateHook, patch_empty_dataset_error,
-                     setup_distributed)
+from .engine import (EmptyDatasetHook, PlainParamGroupsHook, RandomStateHook,
+                     patch_empty_dataset_error, setup_distributed)
 from .models import (FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin,
                      FocusedLinearAttention, focusing_map, linear_attention)
 from .registry import register_openmmlab, register_timm
@@ -23,4 +23,5 @@ patch_empty_dataset_error()
 __all__ = ['__version__', 'FocusedLinearAttention', 'focusing_map', 'linear_attention',
            'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'FLattenCSwin', 'FLattenDeiT',
            'load_checkpoint_file',
-           'load_pretrained', 'EmptyDatasetHook', 'RandomStateHook', 'setup_distributed']
+           'load_pretrained', 'EmptyDatasetHook', 'PlainParamGroupsHook', 'RandomStateHook',
+           'setup_distributed']

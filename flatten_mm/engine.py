@@ -151,6 +151,36 @@ class EmptyDatasetHook(Hook):
         self._check(runner.test_dataloader, 'test')
 
 
+def _optim_wrappers(optim_wrapper) -> list:
+    """The OptimWrappers in ``optim_wrapper`` (one, or the values of an
+    OptimWrapperDict)."""
+    if hasattr(optim_wrapper, 'optim_wrappers'):
+        return list(optim_wrapper.optim_wrappers.values())
+    return [optim_wrapper]
+
+
+@HOOKS.register_module()
+class PlainParamGroupsHook(Hook):
+    """Make every optimizer's parameter groups plain dicts before training.
+
+    With a ``paramwise_cfg`` (all our detection and segmentation configs), the
+    registry that builds the optimizer turns its list of parameter groups into
+    ``ConfigDict`` objects. ``torch.compile`` cannot trace ``optimizer.step``
+    over such dict subclasses, so mmengine's ``compile=True``, which compiles
+    the whole ``train_step``, stops at the first step with "'UserDefinedDictVariable'
+    object has no attribute 'items'" (torch 2.14). A resumed run already has
+    plain dicts (the optimizer's ``load_state_dict`` rebuilds its groups); the
+    hook gives a fresh run the same. ``tools/train.py`` adds it; with another
+    training script add ``custom_hooks=[dict(type='PlainParamGroupsHook')]``.
+    """
+    priority = 'VERY_HIGH'
+
+    def before_train(self, runner) -> None:
+        for wrapper in _optim_wrappers(runner.optim_wrapper):
+            optimizer = wrapper.optimizer
+            optimizer.param_groups = [dict(group) for group in optimizer.param_groups]
+
+
 def patch_empty_dataset_error() -> bool:
     """Make mmengine datasets that find no samples say so.
 

@@ -81,3 +81,45 @@ def test_index_skipper_crosses_epochs_of_a_finite_sampler():
         next(loop.dataloader_iterator)
     assert loop.dataloader_iterator is real and real._epoch == 1
     assert next(real).tolist() == [2, 3]
+
+
+def _adamw_with_paramwise_groups(model):
+    from mmengine.config import ConfigDict
+    from mmengine.optim import build_optim_wrapper
+    # as the Runner builds it: from a config's ConfigDict
+    return build_optim_wrapper(model, ConfigDict(
+        optimizer=dict(type='AdamW', lr=1e-2, weight_decay=0.05),
+        paramwise_cfg=dict(custom_keys={'norm': dict(decay_mult=0.0)})))
+
+
+def test_plain_param_groups_hook_lets_compile_trace_the_optimizer_step():
+    from mmengine.config import ConfigDict
+
+    from flatten_mm import PlainParamGroupsHook
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict(dict(fc=torch.nn.Linear(4, 3), norm=torch.nn.LayerNorm(3)))
+        return model, _adamw_with_paramwise_groups(model)
+
+    def step(model, wrapper):
+        loss = model['norm'](model['fc'](torch.ones(2, 4))).pow(2).sum()
+        wrapper.update_params(loss)
+
+    eager_model, eager = make()
+    compiled_model, wrapper = make()
+    # the premise: mmengine's registry hands the optimizer ConfigDict groups
+    assert all(type(g) is ConfigDict for g in wrapper.optimizer.param_groups)
+    before = [dict(g) for g in wrapper.optimizer.param_groups]
+    PlainParamGroupsHook().before_train(SimpleNamespace(optim_wrapper=wrapper))
+    groups = wrapper.optimizer.param_groups
+    assert all(type(g) is dict for g in groups) and groups == before
+    assert [g['weight_decay'] for g in groups] == [0.05, 0.05, 0.0, 0.0]
+    compiled = torch.compile(step)
+    torch._dynamo.reset()
+    for _ in range(2):
+        step(eager_model, eager)
+        compiled(compiled_model, wrapper)
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert wrapper.optimizer.state_dict()['state'][0]['step'] == 2

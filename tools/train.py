@@ -39,8 +39,8 @@ def build_config(args):
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
     # random state in checkpoints, so --resume continues as if never stopped;
-    # a clear error for an empty dataset
-    add_hooks(cfg, 'RandomStateHook', 'EmptyDatasetHook')
+    # a clear error for an empty dataset; optimizer steps that compile=True traces
+    add_hooks(cfg, 'RandomStateHook', 'EmptyDatasetHook', 'PlainParamGroupsHook')
     if args.resume == 'auto':
         cfg.resume = True
         cfg.load_from = None

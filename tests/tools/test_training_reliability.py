@@ -204,3 +204,17 @@ def test_train_and_test_scripts_end_the_process_group(monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
     common.end_distributed()  # no process group: nothing to do
+
+
+def test_compile_trains_the_demo_mask_rcnn(shapes, tmp_path):
+    # mmengine's compile=True compiles the whole train_step, optimizer step
+    # included: dynamo traces it only with PlainParamGroupsHook, which
+    # tools/train.py adds. aot_eager keeps dynamo's tracing and AOT autograd
+    # and skips Inductor's C++ code generation (minutes on this CPU); the
+    # default backend is measured in docs/advanced.md.
+    config = osp.join(ROOT, 'configs/demo/mask-rcnn_flatten-pvtv2-b0_fpn_shapes.py')
+    log = run(TRAIN, config, '--work-dir', str(tmp_path), *det_options(shapes, 2),
+              'compile.backend=aot_eager', 'model.train_cfg.rpn_proposal.max_per_img=100', cwd=ROOT)
+    found = losses(log)
+    assert len(found) == 2 and all(0 < x < 10 for x in found), found
+    assert 'coco/bbox_mAP' in log
