@@ -75,6 +75,10 @@ from .dispatch import _torch_backend, get_backend, register_backend
 AVAILABLE = importlib.util.find_spec('triton') is not None
 
 MAX_HEAD_DIM = 128  # d x d fp32 states per program: wider heads would spill registers
+# Exact fp32 dots run on CUDA cores with both operands in registers: past 64
+# channels they spill (ptxas for sm_90: 3.8 KB per thread in the output kernel
+# at d = 128), so 'auto' sends such heads to the torch backend (cuBLAS).
+MAX_EXACT_HEAD_DIM = 64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNELS = {}
 
@@ -256,14 +260,21 @@ def _fall_back_on_first_failure(err: Exception) -> bool:
     return True
 
 
+def auto_head_dim(dtype: torch.dtype) -> int:
+    """The widest head ``'auto'`` sends to the kernels for inputs of ``dtype``."""
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    return MAX_EXACT_HEAD_DIM if exact else MAX_HEAD_DIM
+
+
 def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
              num_heads: int) -> bool:
     """``'auto'`` takes this backend for CUDA tensors of one supported dtype, heads
-    up to :data:`MAX_HEAD_DIM` channels and a bool key mask (or none)."""
+    up to :data:`MAX_HEAD_DIM` channels (:data:`MAX_EXACT_HEAD_DIM` for fp32
+    without TF32) and a bool key mask (or none)."""
     C = q.shape[-1]
     return (q.device.type == 'cuda' and q.dim() == 3 and v.dtype in DTYPES and
             q.dtype == k.dtype == v.dtype and C % num_heads == 0 and
-            C // num_heads <= MAX_HEAD_DIM and
+            C // num_heads <= auto_head_dim(v.dtype) and
             (key_mask is None or key_mask.dtype == torch.bool) and importable())
 
 

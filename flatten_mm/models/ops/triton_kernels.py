@@ -407,9 +407,12 @@ class Plan(NamedTuple):
 def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132) -> Plan:
     """Tiling of a (B * h)-by-``tokens`` sweep for head width d.
 
-    Blocks of 128 tokens for d <= 32, 64 for d <= 64, 32 above, and 32 for exact
-    fp32 dots (computed on CUDA cores, in registers): the token block times the
-    state width held about constant so the kernels stay within the registers.
+    Blocks of 128 tokens for d <= 32, 64 for d <= 64, 32 above; for exact fp32
+    dots (computed on CUDA cores, in registers) 1024 / d_padded tokens, at least
+    16: the token block times the state width held about constant so the kernels
+    stay within the registers (at d = 64, 32-token blocks made the one-head
+    output kernel spill; ``tools/analysis_tools/kernel_resources.py`` reports
+    each kernel's registers and spills).
     Chunks of blocks per program so that (image, head, chunk) programs about fill
     the GPU (a few per multiprocessor) without many partial states to add up.
     Under the interpreter, blocks of 16 tokens and two per program, so that the
@@ -420,7 +423,7 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132) -> Pl
     if INTERPRETED:
         block_n, per = 16, 2
     else:
-        block_n = 32 if exact or bd > 64 else 4096 // bd
+        block_n = max(16, 1024 // bd) if exact else 32 if bd > 64 else 4096 // bd
         blocks = triton.cdiv(tokens, block_n)
         per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * sms, bh))))
     chunks = max(1, triton.cdiv(tokens, block_n * per))

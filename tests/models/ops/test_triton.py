@@ -275,3 +275,25 @@ def test_plan_fills_the_gpu_it_runs_on(monkeypatch):
     assert big.chunks == pytest.approx(2 * small.chunks, rel=0.1)
     assert big.chunks * big.blocks_per_prog * big.block_n >= tokens
     assert kernels.sm_count(torch.device('cpu')) == 132
+
+
+def test_exact_fp32_tiles_and_auto_head_widths(monkeypatch):
+    """Exact fp32 dots hold both operands in registers: their token blocks shrink
+    as heads widen (16 at d = 64, where 32 spilled), and 'auto' keeps heads over
+    64 channels on the torch backend unless TF32 is allowed."""
+    kernels = tb.kernels()
+    monkeypatch.setattr(kernels, 'INTERPRETED', False)
+    matmul, tf32 = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        blocks = {d: kernels.plan(4096, 8, d, torch.float32).block_n for d in (16, 32, 64, 128)}
+        assert blocks == {16: 64, 32: 32, 64: 16, 128: 16}
+        assert kernels.plan(4096, 8, 64, torch.float32).precision == 'ieee'
+        assert kernels.plan(4096, 8, 64, torch.bfloat16).block_n == 64
+        assert tb.auto_head_dim(torch.float32) == 64
+        assert tb.auto_head_dim(torch.bfloat16) == tb.auto_head_dim(torch.float16) == 128
+        matmul.allow_tf32 = True
+        assert tb.auto_head_dim(torch.float32) == 128
+        assert kernels.plan(4096, 8, 64, torch.float32).block_n == 64
+    finally:
+        matmul.allow_tf32 = tf32

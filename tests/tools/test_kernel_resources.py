@@ -1,0 +1,57 @@
+"""tools/analysis_tools/kernel_resources.py: the attention core's Triton kernels
+built for an H100/H200 (sm_90) by triton's compiler and ptxas, without a GPU.
+
+The interpreter (which runs the kernels' arithmetic in the other tests) never
+builds them; this does, with the GPU's tiling, and holds each kernel to no
+register spills and to the shared memory a program may have."""
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'kernel_resources.py')
+SHARED_PER_PROGRAM = 227 * 1024  # the most one block may take on sm_90
+TOKEN_KERNELS = {'_kv_state_kernel', '_output_kernel', '_query_state_grad_kernel',
+                 '_query_grad_kernel', '_key_value_grad_kernel', '_key_grad_kernel'}
+
+
+def nvidia_backend() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return os.path.exists(get_ptxas(90).path)
+    except Exception:  # noqa: BLE001 (no triton, or one without the NVIDIA backend)
+        return False
+
+
+@pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
+def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
+    out = tmp_path / 'rows.json'
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    proc = subprocess.run([sys.executable, TOOL, '--arch', '90', '--dtypes', 'bf16', 'fp16',
+                           'fp32', '--json', str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    by_case = {}
+    for row in rows:
+        by_case.setdefault((row['case'], row['dtype']), []).append(row)
+    assert len(by_case) == 4 * 3  # the default cases, three dtypes
+    for (case, dtype), built in by_case.items():
+        names = [row['kernel'] for row in built]
+        # several heads: one row-statistics pass each for q and k; one head: fused
+        assert names.count('_row_stats_kernel') == (0 if case.endswith('x1') else 2)
+        assert set(names) - {'_row_stats_kernel'} == TOKEN_KERNELS, (case, dtype)
+    for row in rows:
+        assert row['spill_stores'] == row['spill_loads'] == 0, row
+        assert 0 < row['shared'] <= SHARED_PER_PROGRAM, row
+        assert row['num_warps'] == 8
+    # built with the GPU's tiling, not the interpreter's 16-token blocks
+    swin = {r['kernel']: r['constexprs'] for r in by_case[('32x3m', 'bf16')]}
+    assert swin['_kv_state_kernel']['BLOCK_N'] == '128'
+    assert swin['_kv_state_kernel']['DOT_DTYPE'] == 'bf16'
+    assert swin['_kv_state_kernel']['HAS_MASK'] == 'True'
+    assert by_case[('64x1', 'fp32')][1]['constexprs']['PREC'] == 'ieee'

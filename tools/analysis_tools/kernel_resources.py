@@ -1,0 +1,151 @@
+"""Build the attention core's Triton kernels for a GPU, without one, and report
+what each costs the GPU: registers, spilled bytes and shared memory per program.
+
+Every kernel that one forward and one backward of the core launch is built for
+each case, with the arguments the launchers would pass on a GPU (the launchers
+run on CPU tensors with the launches recorded instead of made; tiling, operand
+dtypes and constexprs are the GPU's, not the interpreter's), by Triton's own
+compiler for ``--arch`` and then ``ptxas -v``. A kernel that does not build is
+an error here, not on the first GPU run; spills and registers show what a
+tiling change does to occupancy before any timing.
+
+A case is ``DxH`` (head width D, H heads), ``m`` appended for a key mask:
+``32x3m`` is a Swin-T stage-1 window layer, ``64x1`` a PVT stage-1 layer, ``32x1``
+PVTv2-B0's, ``64x6`` FLatten-DeiT-S's. Example::
+
+    python tools/analysis_tools/kernel_resources.py --arch 90 \\
+        --cases 32x3m 64x1 32x1 64x6 --dtypes bf16 fp16 fp32 --json out.json
+
+Needs triton with its NVIDIA backend (it ships ptxas) and ``TRITON_INTERPRET``
+unset: under the interpreter there is no kernel to build.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+DTYPES = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
+CASE = re.compile(r'(\d+)x(\d+)(m?)$')
+PTXAS = re.compile(r'(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers',
+                   re.S)
+
+
+def parse_case(text: str) -> tuple:
+    found = CASE.match(text)
+    if not found or int(found[1]) < 1 or int(found[2]) < 1:
+        raise argparse.ArgumentTypeError(
+            f'a case is DxH with head width D >= 1 and H >= 1 heads, optionally m '
+            f'for a key mask (e.g. 32x3m), got {text!r}')
+    return int(found[1]), int(found[2]), bool(found[3])
+
+
+def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype) -> list:
+    """(kernel, args, kwargs) of each launch of one forward and backward, the
+    launchers run on small CPU tensors with every kernel replaced by a recorder."""
+    from triton.runtime.jit import JITFunction
+
+    from flatten_mm.models.ops import triton_kernels
+    calls, kernels = [], {}
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
+    for name, value in vars(triton_kernels).items():
+        if isinstance(value, JITFunction) and name.endswith('_kernel'):
+            kernels[name] = value
+    B, N, n, C = 2, 80, 40, d * heads
+    q, k, v = (torch.randn(B, L, C).to(dtype) for L in (N, n, n))
+    mask = torch.arange(n).expand(B, n) < n - 3 if masked else None
+    s_inv, p = torch.ones(C), 3.0
+    try:
+        for name, fn in kernels.items():
+            setattr(triton_kernels, name, Recorder(fn))
+        out, kv, km, stats_q, stats_k = triton_kernels.forward(q, k, v, s_inv, p, heads, mask)
+        triton_kernels.backward(out, q, k, v, s_inv, kv, km, stats_q, stats_k, p, heads, mask)
+    finally:
+        for name, fn in kernels.items():
+            setattr(triton_kernels, name, fn)
+    return calls
+
+
+def ptxas_usage(ptx: str, arch: int) -> dict:
+    """Registers and spilled bytes that ``ptxas -v`` reports for the kernel."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    suffix = 'a' if arch >= 90 else ''
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, 'kernel.ptx')
+        Path(src).write_text(ptx)
+        proc = subprocess.run([get_ptxas(arch).path, '-v', f'--gpu-name=sm_{arch}{suffix}', src,
+                               '-o', os.path.join(tmp, 'kernel.cubin')],
+                              capture_output=True, text=True, check=True)
+    stores, loads, registers = PTXAS.search(proc.stderr).groups()
+    return dict(registers=int(registers), spill_stores=int(stores), spill_loads=int(loads))
+
+
+def build(fn, args: tuple, kwargs: dict, arch: int) -> dict:
+    """Build one launch for ``sm_{arch}`` as triton's JIT would on that GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget('cuda', arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
+                                                          specialization, options)
+    start = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    return dict(kernel=fn.__name__, shared=compiled.metadata.shared,
+                num_warps=compiled.metadata.num_warps,
+                constexprs={fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()},
+                seconds=round(time.perf_counter() - start, 2),
+                **ptxas_usage(compiled.asm['ptx'], arch))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--arch', type=int, default=90,
+                        help='compute capability as one number (90: H100/H200, 80: A100)')
+    parser.add_argument('--cases', nargs='+', type=parse_case,
+                        default=[parse_case(c) for c in ('32x3m', '64x1', '32x1', '64x6')],
+                        help='head width x heads, m for a key mask (default: 32x3m 64x1 32x1 64x6)')
+    parser.add_argument('--dtypes', nargs='+', choices=sorted(DTYPES), default=['bf16', 'fp32'])
+    parser.add_argument('--json', help='write the rows here as JSON')
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> list:
+    args = parse_args(argv)
+    if os.environ.get('TRITON_INTERPRET', '0') == '1':
+        raise SystemExit('TRITON_INTERPRET=1 is set: the kernels would be interpreted, not '
+                         'built; run without it')
+    rows = []
+    print(f'{"kernel":26} {"case":7} {"dtype":5} {"regs":>4} {"spill st/ld":>11} {"shared":>7}')
+    for d, heads, masked in args.cases:
+        case = f'{d}x{heads}{"m" if masked else ""}'
+        for name in args.dtypes:
+            for fn, a, kw in recorded_launches(d, heads, masked, DTYPES[name]):
+                row = dict(case=case, dtype=name, **build(fn, a, kw, args.arch))
+                rows.append(row)
+                print(f'{row["kernel"]:26} {case:7} {name:5} {row["registers"]:4d} '
+                      f'{row["spill_stores"]:5d}/{row["spill_loads"]:<5d} {row["shared"]:7d}')
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == '__main__':
+    main()
