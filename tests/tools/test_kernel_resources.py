@@ -15,8 +15,13 @@ import pytest
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'kernel_resources.py')
 SHARED_PER_PROGRAM = 227 * 1024  # the most one block may take on sm_90
-TOKEN_KERNELS = {'_kv_state_kernel', '_output_kernel', '_query_state_grad_kernel',
-                 '_query_grad_kernel', '_key_value_grad_kernel', '_key_grad_kernel'}
+FORWARD = ['_kv_state_kernel', '_output_kernel']
+# several heads: row statistics of q and k, and two backward passes a side;
+# one head: the token kernels make the statistics, and one pass a side
+HEADS = ['_row_stats_kernel'] * 2 + FORWARD + [
+    '_query_state_grad_kernel', '_query_grad_kernel', '_key_value_grad_kernel',
+    '_key_grad_kernel']
+ONE_HEAD = FORWARD + ['_query_grad_kernel', '_key_grad_kernel']
 
 
 def nvidia_backend() -> bool:
@@ -42,9 +47,7 @@ def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
     assert len(by_case) == 4 * 3  # the default cases, three dtypes
     for (case, dtype), built in by_case.items():
         names = [row['kernel'] for row in built]
-        # several heads: one row-statistics pass each for q and k; one head: fused
-        assert names.count('_row_stats_kernel') == (0 if case.endswith('x1') else 2)
-        assert set(names) - {'_row_stats_kernel'} == TOKEN_KERNELS, (case, dtype)
+        assert names == (ONE_HEAD if case.endswith('x1') else HEADS), (case, dtype)
     for row in rows:
         assert row['spill_stores'] == row['spill_loads'] == 0, row
         assert 0 < row['shared'] <= SHARED_PER_PROGRAM, row
@@ -54,4 +57,6 @@ def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
     assert swin['_kv_state_kernel']['BLOCK_N'] == '128'
     assert swin['_kv_state_kernel']['DOT_DTYPE'] == 'bf16'
     assert swin['_kv_state_kernel']['HAS_MASK'] == 'True'
-    assert by_case[('64x1', 'fp32')][1]['constexprs']['PREC'] == 'ieee'
+    pvt = {r['kernel']: r['constexprs'] for r in by_case[('64x1', 'fp32')]}
+    assert pvt['_output_kernel']['PREC'] == 'ieee'
+    assert pvt['_query_grad_kernel']['WHOLE_ROWS'] == pvt['_key_grad_kernel']['WHOLE_ROWS'] == 'True'

@@ -42,6 +42,9 @@ so each side has a pass computing per-(row, head) shares of it (stored as
 3. keys: dv and c's shares;
 4. keys: dk and the partial gradient of s_inv.
 
+With one head a row's c has one share, its own: passes 1 and 2 are one pass,
+and so are 3 and 4 (q, g, k and v read once each).
+
 Precision: statistics, normalisers, states and accumulators are fp32; only the
 dots' operands are narrowed. bf16 inputs take bf16 operands (u, phi, the states
 cast; tensor cores at full rate, fp32's exponent range). fp16 inputs take tf32

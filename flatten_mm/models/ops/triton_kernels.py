@@ -272,26 +272,43 @@ def _row_sum_over_heads(gc_ptr, b, tok, L, h, BH: tl.constexpr):
 
 @triton.jit
 def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_ptr, dq_ptr, ds_ptr,
-                       N, h, D, stride_qb, stride_qn, stride_gb, stride_gn, stride_db, stride_dn,
-                       p, blocks_per_prog, BLOCK_N: tl.constexpr, BD: tl.constexpr,
-                       BH: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+                       dkv_ptr, dkm_ptr, N, h, D, stride_qb, stride_qn, stride_gb, stride_gn,
+                       stride_db, stride_dn, p, blocks_per_prog, WHOLE_ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 2 over one chunk of queries and one head: dq, and the chunk's
     partial gradient of s_inv for the head's channels. u's gradient is
-    w A + gd km (A, gd recomputed: cheaper than storing a (B, N, C) fp32 buffer)."""
+    w A + gd km (A, gd recomputed: cheaper than storing a (B, N, C) fp32 buffer).
+    With WHOLE_ROWS (one head) a row's gradient of c is its own share, so this
+    pass also does pass 1's work (partials of dKV and dkm) and pass 1 is skipped:
+    q and g are read once."""
     bh, b, col0, cols, cmask, s_inv, chunk, R, kv_t, km = _query_chunk_program(
         s_inv_ptr, kv_ptr, km_ptr, N, h, D, BD, DOT_DTYPE)
     ds = tl.zeros([BD], dtype=tl.float32)
+    dkv = tl.zeros([BD, BD], dtype=tl.float32)
+    dkm = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        x, _, a, u, c, t, _, w, grad_uk, _, gd = _query_terms(
+        x, g, a, u, c, t, den, w, grad_uk, gy, gd = _query_terms(
             q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
             stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
         grad_u = w[:, None] * grad_uk + gd[:, None] * km[None, :]
-        grad_c = _row_sum_over_heads(gc_ptr, b, tok, N, h, BH)
+        if WHOLE_ROWS:
+            grad_c = gy * _EPS / (den * den)
+            dkv = tl.dot(tl.trans((u * w[:, None]).to(DOT_DTYPE)), g.to(DOT_DTYPE), dkv,
+                         input_precision=PREC)
+            dkm += tl.sum(u * gd[:, None], axis=0)
+        else:
+            grad_c = _row_sum_over_heads(gc_ptr, b, tok, N, h, BH)
         grad_x, grad_s = _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p)
         _store_rows(dq_ptr, grad_x, b, tok, col0, cols, N, D, stride_db, stride_dn)
         ds += tl.sum(grad_s, axis=0)
-    tl.store(ds_ptr + (bh * tl.num_programs(1) + chunk) * D + cols, ds, mask=cmask)
+    slot = bh * tl.num_programs(1) + chunk
+    tl.store(ds_ptr + slot * D + cols, ds, mask=cmask)
+    if WHOLE_ROWS:
+        smask = cmask[:, None] & cmask[None, :]
+        tl.store(dkv_ptr + slot * D * D + cols[:, None] * D + cols[None, :], dkv, mask=smask)
+        tl.store(dkm_ptr + slot * D + cols, dkm, mask=cmask)
 
 
 @triton.jit
@@ -341,12 +358,15 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
 
 @triton.jit
 def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_ptr, inv_count_ptr,
-                     gc_ptr, dk_ptr, ds_ptr, n, h, D, stride_kb, stride_kn, stride_vb, stride_vn,
-                     stride_mb, stride_db, stride_dn, p, blocks_per_prog, HAS_MASK: tl.constexpr,
+                     gc_ptr, dk_ptr, ds_ptr, dv_ptr, n, h, D, stride_kb, stride_kn, stride_vb,
+                     stride_vn, stride_mb, stride_db, stride_dn, stride_eb, stride_en, p,
+                     blocks_per_prog, HAS_MASK: tl.constexpr, WHOLE_ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 4 over one chunk of keys and one head: dk (u's gradient kappa Bm,
-    c's the row sum over heads of gc), and the chunk's partial gradient of s_inv."""
+    c's the row sum over heads of gc), and the chunk's partial gradient of s_inv.
+    With WHOLE_ROWS (one head) c's gradient is the row's own share, so this pass
+    also writes dv (pass 3's work, skipped then): k and v are read once."""
     bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
     chunk = tl.program_id(1)
     dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
@@ -360,7 +380,12 @@ def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_
             cols,
             n, n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn,
             stride_mb, p, HAS_MASK, DOT_DTYPE, PREC)
-        grad_c = _row_sum_over_heads(gc_ptr, b, tok, n, h, BH)
+        if WHOLE_ROWS:
+            grad_c = share * tl.sum(u * bm, axis=1)
+            dv = tl.dot(u.to(DOT_DTYPE), dkv_op, input_precision=PREC) * (c * share)[:, None]
+            _store_rows(dv_ptr, dv, b, tok, col0, cols, n, D, stride_eb, stride_en)
+        else:
+            grad_c = _row_sum_over_heads(gc_ptr, b, tok, n, h, BH)
         grad_x, grad_s = _map_backward(x, a, u, c, t, (c * share)[:, None] * bm, grad_c, s_inv, p)
         _store_rows(dk_ptr, grad_x, b, tok, col0, cols, n, D, stride_db, stride_dn)
         ds += tl.sum(grad_s, axis=0)
@@ -503,49 +528,56 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
 
 def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
                     stats_q: Tensor, p: float, h: int, dtype: torch.dtype) -> Tuple[Tensor, ...]:
-    """dq, the per-channel gradient of s_inv through q, and the gradients of KV and km."""
+    """dq, the per-channel gradient of s_inv through q, and the gradients of KV and km.
+    One head: one pass (the dq pass makes the partials too); else two."""
     B, N, C = q.shape
-    d = C // h
+    d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=q.device)
     qp = plan(N, B * h, d, dtype, sm_count(q.device))
-    gc = torch.empty((B, N, h), **f32)
     dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)
     dkm_part = torch.empty((B * h, qp.chunks, d), **f32)
     grid = (B * h, qp.chunks)
-    _query_state_grad_kernel[grid](
-        q, g, stats_q, s_inv, kv, km, gc, dkv_part, dkm_part, N, h, d, q.stride(0), q.stride(1),
-        g.stride(0), g.stride(1), p, qp.blocks_per_prog, **_launch_opts(qp))
+    gc = dkm_part  # read only with several heads
+    if not whole:
+        gc = torch.empty((B, N, h), **f32)
+        _query_state_grad_kernel[grid](
+            q, g, stats_q, s_inv, kv, km, gc, dkv_part, dkm_part, N, h, d, q.stride(0),
+            q.stride(1), g.stride(0), g.stride(1), p, qp.blocks_per_prog, **_launch_opts(qp))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ds = torch.empty((B * h, qp.chunks, d), **f32)
     _query_grad_kernel[grid](
-        q, g, stats_q, s_inv, kv, km, gc, dq, ds, N, h, d, q.stride(0), q.stride(1), g.stride(0),
-        g.stride(1), dq.stride(0), dq.stride(1), p, qp.blocks_per_prog,
-        BH=triton.next_power_of_2(h), **_launch_opts(qp))
+        q, g, stats_q, s_inv, kv, km, gc, dq, ds, dkv_part, dkm_part, N, h, d, q.stride(0),
+        q.stride(1), g.stride(0), g.stride(1), dq.stride(0), dq.stride(1), p,
+        qp.blocks_per_prog, WHOLE_ROWS=whole, BH=triton.next_power_of_2(h), **_launch_opts(qp))
     ds = ds.view(B, h, qp.chunks, d).sum((0, 2)).reshape(C)
     return dq, ds, dkv_part.sum(1), dkm_part.sum(1)
 
 
 def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor, stats_k: Tensor,
                   p: float, h: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
-    """dk, dv and the per-channel gradient of s_inv through k, from those of KV and km."""
+    """dk, dv and the per-channel gradient of s_inv through k, from those of KV and km.
+    One head: one pass (the dk pass writes dv too); else two."""
     B, n, C = k.shape
-    d = C // h
+    d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=k.device)
     kp = plan(n, B * h, d, v.dtype, sm_count(k.device))
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
     inv = inverse_count(key_mask, B, n, k.device)
-    gc = torch.empty((B, n, h), **f32)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _key_value_grad_kernel[(B * h, triton.cdiv(n, kp.block_n))](
-        k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dv, n, h, d, k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), stride_m, dv.stride(0), dv.stride(1), p, HAS_MASK=has_mask,
-        **_launch_opts(kp))
+    gc = inv  # read only with several heads
+    if not whole:
+        gc = torch.empty((B, n, h), **f32)
+        _key_value_grad_kernel[(B * h, triton.cdiv(n, kp.block_n))](
+            k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dv, n, h, d, k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), stride_m, dv.stride(0), dv.stride(1), p,
+            HAS_MASK=has_mask, **_launch_opts(kp))
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     ds = torch.empty((B * h, kp.chunks, d), **f32)
     _key_grad_kernel[(B * h, kp.chunks)](
-        k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dk, ds, n, h, d, k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), stride_m, dk.stride(0), dk.stride(1), p, kp.blocks_per_prog,
-        HAS_MASK=has_mask, BH=triton.next_power_of_2(h), **_launch_opts(kp))
+        k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dk, ds, dv, n, h, d, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), stride_m, dk.stride(0), dk.stride(1),
+        dv.stride(0), dv.stride(1), p, kp.blocks_per_prog, HAS_MASK=has_mask, WHOLE_ROWS=whole,
+        BH=triton.next_power_of_2(h), **_launch_opts(kp))
     return dk, dv, ds.view(B, h, kp.chunks, d).sum((0, 2)).reshape(C)
 
 

@@ -75,6 +75,7 @@ def check(dtype, B, N, n, C, h, p, masked, tol=None):
     (2, 37, 37, 64, 2, 3.0, True),  # key mask with padded keys, batch 2, d = 32
     (2, 37, 10, 48, 2, 3.0, False),  # reduced keys (n != N), d = 24
     (1, 37, 37, 32, 1, 1.0, False),  # one head, p = 1
+    (2, 37, 10, 32, 1, 3.0, True),  # one head (fused backward), reduced and masked keys
     (2, 21, 21, 24, 1, 50.0, True),  # p = 50: finite and equal
     (1, 37, 9, 96, 3, 3.0, True),  # three heads, reduced and masked keys
     (1, 5, 3, 8, 2, 2.0, False),  # d = 4: padded far up to 16
