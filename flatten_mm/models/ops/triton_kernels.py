@@ -429,7 +429,8 @@ class Plan(NamedTuple):
     precision: str
 
 
-def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132) -> Plan:
+def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
+         backward: bool = False) -> Plan:
     """Tiling of a (B * h)-by-``tokens`` sweep for head width d.
 
     Blocks of 128 tokens for d <= 32, 64 for d <= 64, 32 above; for exact fp32
@@ -437,7 +438,11 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132) -> Pl
     16: the token block times the state width held about constant so the kernels
     stay within the registers (at d = 64, 32-token blocks made the one-head
     output kernel spill; ``tools/analysis_tools/kernel_resources.py`` reports
-    each kernel's registers and spills).
+    each kernel's registers and spills). ``backward`` halves the block (at least
+    16): the gradient passes hold several more blocks live (x, a, u, A, the
+    mapping's gradient), and at full blocks they took 197-234 registers on sm_90
+    (one 8-warp program a multiprocessor) and spilled on sm_80; at half, 80-179
+    and no spills on either.
     Chunks of blocks per program so that (image, head, chunk) programs about fill
     the GPU (a few per multiprocessor) without many partial states to add up.
     Under the interpreter, blocks of 16 tokens and two per program, so that the
@@ -449,6 +454,8 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132) -> Pl
         block_n, per = 16, 2
     else:
         block_n = max(16, 1024 // bd) if exact else 32 if bd > 64 else 4096 // bd
+        if backward:
+            block_n = max(16, block_n // 2)
         blocks = triton.cdiv(tokens, block_n)
         per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * sms, bh))))
     chunks = max(1, triton.cdiv(tokens, block_n * per))
@@ -533,7 +540,7 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
     B, N, C = q.shape
     d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=q.device)
-    qp = plan(N, B * h, d, dtype, sm_count(q.device))
+    qp = plan(N, B * h, d, dtype, sm_count(q.device), backward=True)
     dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)
     dkm_part = torch.empty((B * h, qp.chunks, d), **f32)
     grid = (B * h, qp.chunks)
@@ -560,7 +567,7 @@ def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor,
     B, n, C = k.shape
     d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=k.device)
-    kp = plan(n, B * h, d, v.dtype, sm_count(k.device))
+    kp = plan(n, B * h, d, v.dtype, sm_count(k.device), backward=True)
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
     inv = inverse_count(key_mask, B, n, k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

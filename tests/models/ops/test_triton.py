@@ -278,10 +278,11 @@ def test_plan_fills_the_gpu_it_runs_on(monkeypatch):
     assert kernels.sm_count(torch.device('cpu')) == 132
 
 
-def test_exact_fp32_tiles_and_auto_head_widths(monkeypatch):
+def test_tiles_and_auto_head_widths(monkeypatch):
     """Exact fp32 dots hold both operands in registers: their token blocks shrink
     as heads widen (16 at d = 64, where 32 spilled), and 'auto' keeps heads over
-    64 channels on the torch backend unless TF32 is allowed."""
+    64 channels on the torch backend unless TF32 is allowed. Backward halves the
+    blocks."""
     kernels = tb.kernels()
     monkeypatch.setattr(kernels, 'INTERPRETED', False)
     matmul, tf32 = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
@@ -291,6 +292,10 @@ def test_exact_fp32_tiles_and_auto_head_widths(monkeypatch):
         assert blocks == {16: 64, 32: 32, 64: 16, 128: 16}
         assert kernels.plan(4096, 8, 64, torch.float32).precision == 'ieee'
         assert kernels.plan(4096, 8, 64, torch.bfloat16).block_n == 64
+        # backward: half blocks (its passes hold more of them live), the same tokens
+        half = kernels.plan(4096, 8, 32, torch.bfloat16, backward=True)
+        assert half.block_n == 64 and half.chunks * half.blocks_per_prog * 64 >= 4096
+        assert kernels.plan(4096, 8, 64, torch.float32, backward=True).block_n == 16
         assert tb.auto_head_dim(torch.float32) == 64
         assert tb.auto_head_dim(torch.bfloat16) == tb.auto_head_dim(torch.float16) == 128
         matmul.allow_tf32 = True
