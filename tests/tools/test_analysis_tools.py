@@ -204,3 +204,39 @@ def test_get_flops_compares_flatten_deit_with_deit(capsys):
     with pytest.raises(SystemExit):
         tool.main(['configs/flatten_deit/upernet_flatten-deit-s_mln_8xb2-160k_ade20k-512x512.py',
                    '--compare-softmax'])
+
+
+def test_profile_backbone_sums_op_times_into_families(tmp_path):
+    tool = load_tool('profile_backbone')
+    out = tmp_path / 'prof.json'
+    families = tool.main(['--models', 'flatten-pvtv2-b0', '--size', '64x96', '--mode', 'fwdbwd',
+                          '--threads', '1', '--out', str(out)])
+    fam = families['flatten-pvtv2-b0']
+    assert fam['matmul'] > 0 and fam['conv'] > 0 and fam['norm'] > 0
+    result = json.loads(out.read_text())['results'][0]
+    assert result['device'] == 'cpu' and result['dtype'] == 'fp32' and result['batch'] == 1
+    assert sum(fam.values()) == pytest.approx(sum(result['ops'].values()))
+
+
+def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():
+    """On CUDA each op's time is the GPU time of the kernels it launched; the
+    attention core's Triton op counts as attention (a stand-in profile)."""
+    from types import SimpleNamespace
+    tool = load_tool('profile_backbone')
+    events = [SimpleNamespace(key='aten::mm', self_cpu_time_total=50.0,
+                              self_device_time_total=2000.0),
+              SimpleNamespace(key='flatten_mm::triton_attention', self_cpu_time_total=30.0,
+                              self_device_time_total=1000.0),
+              SimpleNamespace(key='aten::view', self_cpu_time_total=5.0,
+                              self_device_time_total=0.0),
+              SimpleNamespace(key='cudaLaunchKernel', self_cpu_time_total=80.0,
+                              self_device_time_total=0.0)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert tool.leaf_self_times(prof, 'cuda') == {'aten::mm': 2.0,
+                                                  'flatten_mm::triton_attention': 1.0}
+    assert tool.leaf_self_times(prof, 'cpu') == {
+        'aten::mm': 0.05, 'flatten_mm::triton_attention': 0.03, 'aten::view': 0.005}
+    assert tool.family_of('flatten_mm::triton_attention_backward') == 'attention'
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):  # named, before any subprocess starts
+            tool.main(['--device', 'cuda', '--models', 'flatten-swin-t'])

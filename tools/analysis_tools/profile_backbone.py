@@ -2,13 +2,18 @@
 
     python tools/analysis_tools/profile_backbone.py --models flatten-swin-t swin-t \\
         --size 800x1333 --mode fwdbwd --threads 2
+    python tools/analysis_tools/profile_backbone.py --device cuda --dtype bf16 --batch 8 \\
+        --models flatten-swin-t swin-t --size 800x1333 --mode fwdbwd --iters 3
 
 Each model runs in its own subprocess (as ``benchmark_backbone.py``; same
 model names): one warm-up step, then ``--iters`` steps under
-``torch.profiler``. Self CPU time of every aten op is summed into families
-(matmul, conv, attention, norm, element-wise, reduction, layout/copy,
-resize/gather, other) so two models can be compared line by line. Also prints
-the top ops of each model. ``--out`` writes the table as JSON.
+``torch.profiler``. The self time of every op (aten ops, and the attention
+core's ``flatten_mm::`` custom ops: its Triton kernels) is summed into
+families (matmul, conv, attention, norm, element-wise, reduction,
+layout/copy, resize/gather, other) so two models can be compared line by
+line: CPU time on the CPU, on CUDA the GPU time of the kernels each op
+launched. Also prints the top ops of each model. ``--out`` writes the table
+as JSON.
 """
 import argparse
 import json
@@ -22,7 +27,8 @@ from benchmark_backbone import Case, check_model_name, parse_size  # noqa: E402
 
 # op name fragments -> family; the first match wins
 FAMILIES = [
-    ('attention', ('scaled_dot_product', '_flash_attention', '_efficient_attention', 'softmax')),
+    ('attention', ('scaled_dot_product', '_flash_attention', '_efficient_attention', 'softmax',
+                   'flatten_mm::')),
     ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),
     ('matmul', ('addmm', 'aten::mm', 'bmm', 'matmul', 'linear', 'einsum', 'baddbmm', 'dot',
                 'vecdot')),
@@ -47,23 +53,30 @@ def family_of(name: str) -> str:
     return 'other'
 
 
-def leaf_self_times(prof) -> dict:
-    """Self CPU time (ms) per aten op, summed over its calls."""
+def leaf_self_times(prof, device: str = 'cpu') -> dict:
+    """Self time (ms) per op, summed over its calls: CPU time, or with
+    ``device='cuda'`` the GPU time of the kernels the op itself launched."""
     times = defaultdict(float)
     for evt in prof.key_averages():
-        if evt.key.startswith('aten::') or evt.key.startswith('mkldnn'):
-            times[evt.key] += evt.self_cpu_time_total / 1e3
-    return dict(times)
+        if evt.key.startswith(('aten::', 'mkldnn', 'flatten_mm::')):
+            us = evt.self_device_time_total if device == 'cuda' else evt.self_cpu_time_total
+            times[evt.key] += us / 1e3
+    return {op: ms for op, ms in times.items() if ms > 0 or device == 'cpu'}
 
 
 def run_worker(spec: dict) -> dict:
     """One warm-up step, then ``iters`` steps of benchmark_backbone's Case under the profiler."""
     from torch.profiler import ProfilerActivity, profile
-    case = Case(dict(spec, device='cpu', dtype='fp32'))
+    device = spec.get('device', 'cpu')
+    case = Case(dict(spec, device=device, dtype=spec.get('dtype', 'fp32')))
     case.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if device.startswith('cuda'):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         wall = sum(case.step().wall_s for _ in range(spec['iters'])) * 1e3 / spec['iters']
-    ops = {k: v / spec['iters'] for k, v in leaf_self_times(prof).items()}
+    times = leaf_self_times(prof, 'cuda' if device.startswith('cuda') else 'cpu')
+    ops = {k: v / spec['iters'] for k, v in times.items()}
     return dict(spec, wall_ms=wall, ops=ops)
 
 
@@ -98,12 +111,20 @@ def main(argv=None):
     parser.add_argument('--mode', choices=['fwd', 'fwdbwd'], default='fwdbwd')
     parser.add_argument('--threads', type=int, default=2)
     parser.add_argument('--iters', type=int, default=1)
+    parser.add_argument('--device', default='cpu', help="'cpu' or 'cuda'")
+    parser.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32',
+                        help='autocast dtype (default fp32: none)')
+    parser.add_argument('--batch', type=int, default=1)
     parser.add_argument('--out', help='write the per-op and per-family times here (JSON)')
     parser.add_argument('--worker', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print('RESULT ' + json.dumps(run_worker(json.loads(args.worker))), flush=True)
         return None
+    if args.device.startswith('cuda'):
+        import torch
+        if not torch.cuda.is_available():
+            parser.error(f'--device {args.device}: torch sees no CUDA device here')
     for name in args.models:
         try:
             check_model_name(name)
@@ -112,7 +133,7 @@ def main(argv=None):
     results = []
     for name in args.models:
         spec = dict(model=name, size=args.size, mode=args.mode, threads=args.threads,
-                    iters=args.iters)
+                    iters=args.iters, device=args.device, dtype=args.dtype, batch=args.batch)
         proc = subprocess.run([sys.executable, __file__, '--worker', json.dumps(spec)],
                               capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
