@@ -240,3 +240,23 @@ def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):  # named, before any subprocess starts
             tool.main(['--device', 'cuda', '--models', 'flatten-swin-t'])
+
+
+def test_benchmark_backbone_times_timm_classifiers_against_timm_softmax(tmp_path, capsys):
+    """timm:NAME: the whole classifier; ours against timm's softmax model, with
+    the throughput (batch over the median step)."""
+    tool = load_tool('benchmark_backbone')
+    assert tool.baseline_of('timm:flatten_swin_tiny') == 'timm:swin_tiny_patch4_window7_224'
+    assert tool.baseline_of('timm:flatten_pvt_v2_b1') == 'timm:pvt_v2_b1'
+    assert tool.baseline_of('timm:flatten_pvt_tiny') is None  # PVT v1 is not in timm
+    rows = tool.main(['--models', 'timm:flatten_deit_tiny', 'timm:deit_tiny_patch16_224',
+                      '--sizes', '224', '--modes', 'fwdbwd', '--rounds', '1', '--iters', '2',
+                      '--warmup', '0', '--threads', '1', '--paired', '--batch', '2',
+                      '--out-dir', str(tmp_path)])
+    row = {r['model']: r for r in rows}['timm:flatten_deit_tiny']
+    assert row['status'] == 'ok' and row['baseline'] == 'timm:deit_tiny_patch16_224'
+    assert row['images_per_s'] == pytest.approx(2e3 / row['median_ms'])
+    assert row['time_ratio'] > 0
+    assert 'images/s' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tool.main(['--models', 'timm:no_such_model'])

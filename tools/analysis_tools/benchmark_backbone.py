@@ -34,6 +34,10 @@ whose linear attention runs the plain reference code (official op order), and
 ``NAME@rev`` for a flatten model built from another checkout of flatten_mm
 (``--rev-dir``, e.g. a ``git worktree`` of an older commit), to time two
 versions of the code side by side.
+``timm:NAME`` is the whole timm classifier NAME (ours are registered with
+flatten_mm) at its input size (``--sizes 224`` for most): ``timm:flatten_X`` is compared
+with timm's softmax counterpart in ``TIMM_BASELINES`` (Swin, PVTv2, DeiT), and
+the table's images/s is the throughput (``--batch`` over the median step).
 ``--compile [BACKEND]`` runs every model through ``torch.compile`` (default
 settings, Inductor unless BACKEND is given); the ``--warmup`` steps compile
 (at least one is needed).
@@ -60,6 +64,24 @@ SWIN = dict(t=('tiny', [2, 2, 6, 2]), s=('small', [2, 2, 18, 2]))
 CSWIN = dict(t='tiny', s='small')
 
 
+# timm's softmax model for each of ours (PVT v1 and CSWin are not in timm)
+TIMM_BASELINES = dict(
+    flatten_swin_tiny='swin_tiny_patch4_window7_224',
+    flatten_swin_small='swin_small_patch4_window7_224',
+    flatten_swin_base='swin_base_patch4_window7_224',
+    flatten_deit_tiny='deit_tiny_patch16_224', flatten_deit_small='deit_small_patch16_224',
+    flatten_deit_base='deit_base_patch16_224',
+    **{f'flatten_pvt_v2_b{i}': f'pvt_v2_b{i}' for i in range(6)})
+
+
+def timm_names() -> list:
+    """Every timm model, ours included (registered by importing flatten_mm)."""
+    import timm
+
+    import flatten_mm  # noqa: F401  (registers the flatten_* names)
+    return timm.list_models()
+
+
 def model_names():
     names = []
     for k in PVT_LAYERS:
@@ -77,10 +99,18 @@ def baseline_of(name: str):
     """``flatten-X`` (or ``flatten-X@reference``, ``flatten-X@rev``) is compared
     with ``X``; but ``flatten-X`` with ``flatten-X@rev`` when both are timed."""
     base = name.split('@')[0]
+    if base.startswith('timm:'):
+        theirs = TIMM_BASELINES.get(base[len('timm:'):])
+        return theirs and 'timm:' + theirs
     return base[len('flatten-'):] if base.startswith('flatten-') else None
 
 
 def check_model_name(name: str) -> None:
+    if name.startswith('timm:'):
+        if name[len('timm:'):] not in timm_names():
+            raise ValueError(f'unknown timm model {name[len("timm:"):]!r} in {name!r} '
+                             '(see timm.list_models(); ours are flatten_*)')
+        return
     base, _, variant = name.partition('@')
     if base not in model_names() or variant not in ('', 'reference', 'rev') \
             or (variant and not base.startswith('flatten-')):
@@ -91,6 +121,9 @@ def check_model_name(name: str) -> None:
 def build_model(name: str):
     """The backbone called ``name`` (see the module docstring)."""
     check_model_name(name)
+    if name.startswith('timm:'):
+        import timm
+        return timm.create_model(name[len('timm:'):], pretrained=False)
     base, _, variant = name.partition('@')
     family, _, size = base.rpartition('-')
     if family == 'cswin':  # CSWin: the same class with softmax stripes in every stage
@@ -177,6 +210,7 @@ class Case:
         else:
             with self.autocast:
                 outs = model(self.x)
+            outs = [outs] if isinstance(outs, torch.Tensor) else outs  # a classifier's logits
             sum(o.float().mean() for o in outs).backward()
             model.zero_grad(set_to_none=True)
         if self.device.type == 'cuda':
@@ -333,6 +367,7 @@ def summarise(results):
                 row[k] = max(row.get(k, 0), r[k])
     for row in rows.values():
         row['median_ms'] = statistics.median(row['times_ms']) if row['status'] == 'ok' else None
+        row['images_per_s'] = (row['batch'] * 1e3 / row['median_ms']) if row['median_ms'] else None
         row['cpu_median_ms'] = statistics.median(row['cpu_ms']) if row['cpu_ms'] else None
         row['faulted_median_MiB'] = (statistics.median(row['faulted_MiB'])
                                      if row['faulted_MiB'] else None)
@@ -368,7 +403,7 @@ def write_outputs(rows, out_dir: Path):
     (out_dir / 'results.json').write_text(json.dumps(rows, indent=1))
     fields = ['model', 'baseline', 'size', 'pixels', 'batch', 'mode', 'dtype', 'device',
               'compiled', 'status',
-              'median_ms', 'time_ratio', 'ratio_range', 'cpu_median_ms', 'cpu_ratio',
+              'median_ms', 'images_per_s', 'time_ratio', 'ratio_range', 'cpu_median_ms', 'cpu_ratio',
               'cpu_ratio_range', 'peak_MiB', 'peak_ratio', 'saved_MiB', 'saved_ratio',
               'rss_growth_MiB', 'faulted_median_MiB']
     with open(out_dir / 'results.csv', 'w', newline='') as f:
@@ -427,15 +462,17 @@ def plot(rows, path: Path):
 
 def print_table(rows):
     mem = 'peak_MiB' if any('peak_MiB' in r for r in rows) else 'saved_MiB'
-    print(f'| model | size | mode | dtype | median ms | x baseline | range | CPU-time x baseline '
+    print(f'| model | size | mode | dtype | median ms | images/s | x baseline | range | '
+          f'CPU-time x baseline '
           f'| range | {mem} | x baseline | MiB faulted per step | status |')
-    print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|---|---|---|---|---|---|---|')
 
     def spread(r, key):
         return '-' if key not in r else '{:.2f}-{:.2f}'.format(*r[key])
     for r in rows:
         print(f"| {r['model']} | {r['size']} | {r['mode']} | {r['dtype']} | "
-              f"{fmt(r['median_ms'])} | {fmt(r.get('time_ratio'), '.2f')} | "
+              f"{fmt(r['median_ms'])} | {fmt(r.get('images_per_s'), '.1f')} | "
+              f"{fmt(r.get('time_ratio'), '.2f')} | "
               f"{spread(r, 'ratio_range')} | {fmt(r.get('cpu_ratio'), '.2f')} | "
               f"{spread(r, 'cpu_ratio_range')} | "
               f"{fmt(r.get(mem), '.0f')} | {fmt(r.get(mem.split('_')[0] + '_ratio'), '.2f')} | "
