@@ -22,6 +22,8 @@ HEADS = ['_row_stats_kernel'] * 2 + FORWARD + [
     '_query_state_grad_kernel', '_query_grad_kernel', '_key_value_grad_kernel',
     '_key_grad_kernel']
 ONE_HEAD = FORWARD + ['_query_grad_kernel', '_key_grad_kernel']
+# before sm_90 the one-head query side keeps its two passes (fused, it spilled)
+ONE_HEAD_SM80 = FORWARD + ['_query_state_grad_kernel', '_query_grad_kernel', '_key_grad_kernel']
 
 
 def nvidia_backend() -> bool:
@@ -32,10 +34,11 @@ def nvidia_backend() -> bool:
         return False
 
 
-def build(tmp_path, *args):
+def build(tmp_path, arch, *args):
     out = tmp_path / 'rows.json'
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    proc = subprocess.run([sys.executable, TOOL, *args, '--json', str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, TOOL, '--arch', str(arch), *args, '--json', str(out)],
+                          cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -44,17 +47,21 @@ def build(tmp_path, *args):
         by_case.setdefault((row['case'], row['dtype']), []).append(row)
     for (case, dtype), built in by_case.items():
         names = [row['kernel'] for row in built]
-        assert names == (ONE_HEAD if case.endswith('x1') else HEADS), (case, dtype)
+        one_head = ONE_HEAD if arch >= 90 else ONE_HEAD_SM80
+        assert names == (one_head if case.endswith('x1') else HEADS), (case, dtype)
     for row in rows:
         assert row['spill_stores'] == row['spill_loads'] == 0, row
         assert 0 < row['shared'] <= SHARED_PER_PROGRAM, row
         assert row['num_warps'] == 8
+        # the looping kernels real sizes run, not the loop-free ones triton
+        # builds for one block per program (an argument equal to 1 is a constant)
+        assert row['blocks_per_prog'] is None or row['blocks_per_prog'] >= 2, row
     return by_case
 
 
 @pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
 def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
-    by_case = build(tmp_path, '--arch', '90', '--dtypes', 'bf16', 'fp16', 'fp32')
+    by_case = build(tmp_path, 90, '--dtypes', 'bf16', 'fp16', 'fp32')
     assert len(by_case) == 4 * 3  # the default cases, three dtypes
     # built with the GPU's tiling, not the interpreter's 16-token blocks
     swin = {r['kernel']: r['constexprs'] for r in by_case[('32x3m', 'bf16')]}
@@ -65,14 +72,9 @@ def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
     pvt = {r['kernel']: r['constexprs'] for r in by_case[('64x1', 'fp32')]}
     assert pvt['_output_kernel']['PREC'] == 'ieee'
     assert pvt['_query_grad_kernel']['WHOLE_ROWS'] == pvt['_key_grad_kernel']['WHOLE_ROWS'] == 'True'
-    # the gradient passes leave room for two programs a multiprocessor in bf16
-    # (128 registers at 256 threads), but for FLatten-DeiT's six 64-wide heads
-    for (case, dtype), rows in by_case.items():
-        if dtype == 'bf16' and case != '64x6':
-            assert max(r['registers'] for r in rows) <= 128, (case, rows)
 
 
 @pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
 def test_bf16_kernels_build_for_sm80_without_spills(tmp_path):
-    """A100s: where the fused one-head backward first spilled (400-530 bytes)."""
-    assert len(build(tmp_path, '--arch', '80', '--dtypes', 'bf16')) == 4
+    """A100s: where a fused one-head query pass spilled (224 bytes at d = 64)."""
+    assert len(build(tmp_path, 80, '--dtypes', 'bf16')) == 4

@@ -5,7 +5,11 @@ Every kernel that one forward and one backward of the core launch is built for
 each case, with the arguments the launchers would pass on a GPU (the launchers
 run on CPU tensors with the launches recorded instead of made; tiling, operand
 dtypes and constexprs are the GPU's, not the interpreter's), by Triton's own
-compiler for ``--arch`` and then ``ptxas -v``. A kernel that does not build is
+compiler for ``--arch`` and then ``ptxas -v``. The recorded problem is large
+enough that every chunked kernel loops over two blocks or more, as at real
+sizes: Triton compiles an integer argument equal to 1 as a constant, so a
+problem of one block per program would build smaller, loop-free kernels than
+any detection or classification size runs. A kernel that does not build is
 an error here, not on the first GPU run; spills and registers show what a
 tiling change does to occupancy before any timing.
 
@@ -39,6 +43,7 @@ PTXAS = re.compile(r'(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\
 
 
 def parse_case(text: str) -> tuple:
+    """(head width, heads, masked) from ``DxH`` or ``DxHm``."""
     found = CASE.match(text)
     if not found or int(found[1]) < 1 or int(found[2]) < 1:
         raise argparse.ArgumentTypeError(
@@ -47,9 +52,10 @@ def parse_case(text: str) -> tuple:
     return int(found[1]), int(found[2]), bool(found[3])
 
 
-def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype) -> list:
+def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch: int) -> list:
     """(kernel, args, kwargs) of each launch of one forward and backward, the
-    launchers run on small CPU tensors with every kernel replaced by a recorder."""
+    launchers run on CPU tensors with every kernel replaced by a recorder and the
+    device taken for one of compute capability ``arch``."""
     from triton.runtime.jit import JITFunction
 
     from flatten_mm.models.ops import triton_kernels
@@ -64,16 +70,21 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype) -> l
     for name, value in vars(triton_kernels).items():
         if isinstance(value, JITFunction) and name.endswith('_kernel'):
             kernels[name] = value
-    B, N, n, C = 2, 80, 40, d * heads
+    # (image, head) programs >= 4 x 132 multiprocessors: the plan then gives
+    # each program every block of its row, 3 forward, 6 backward at d = 32
+    B, N, n, C = -(-600 // heads), 384, 384, d * heads
     q, k, v = (torch.randn(B, L, C).to(dtype) for L in (N, n, n))
     mask = torch.arange(n).expand(B, n) < n - 3 if masked else None
     s_inv, p = torch.ones(C), 3.0
+    capability = triton_kernels.capability
     try:
+        triton_kernels.capability = lambda device: divmod(arch, 10)
         for name, fn in kernels.items():
             setattr(triton_kernels, name, Recorder(fn))
         out, kv, km, stats_q, stats_k = triton_kernels.forward(q, k, v, s_inv, p, heads, mask)
         triton_kernels.backward(out, q, k, v, s_inv, kv, km, stats_q, stats_k, p, heads, mask)
     finally:
+        triton_kernels.capability = capability
         for name, fn in kernels.items():
             setattr(triton_kernels, name, fn)
     return calls
@@ -86,10 +97,14 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, 'kernel.ptx')
         Path(src).write_text(ptx)
-        proc = subprocess.run([get_ptxas(arch).path, '-v', f'--gpu-name=sm_{arch}{suffix}', src,
-                               '-o', os.path.join(tmp, 'kernel.cubin')],
-                              capture_output=True, text=True, check=True)
-    stores, loads, registers = PTXAS.search(proc.stderr).groups()
+        proc = subprocess.run([get_ptxas(arch).path, '-v', f'--gpu-name=sm_{arch}{suffix}',
+                               src, '-o', os.path.join(tmp, 'kernel.cubin')],
+                              capture_output=True, text=True)
+    found = PTXAS.search(proc.stderr)
+    if proc.returncode or not found:
+        raise RuntimeError(f'ptxas -v for sm_{arch} failed or printed no register count '
+                           f'(exit {proc.returncode}):\n{proc.stderr[-2000:]}')
+    stores, loads, registers = found.groups()
     return dict(registers=int(registers), spill_stores=int(stores), spill_loads=int(loads))
 
 
@@ -111,11 +126,12 @@ def build(fn, args: tuple, kwargs: dict, arch: int) -> dict:
     return dict(kernel=fn.__name__, shared=compiled.metadata.shared,
                 num_warps=compiled.metadata.num_warps,
                 constexprs={fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()},
+                blocks_per_prog=dict(zip(fn.arg_names, args)).get('blocks_per_prog'),
                 seconds=round(time.perf_counter() - start, 2),
                 **ptxas_usage(compiled.asm['ptx'], arch))
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--arch', type=int, default=90,
                         help='compute capability as one number (90: H100/H200, 80: A100)')
@@ -137,7 +153,7 @@ def main(argv=None) -> list:
     for d, heads, masked in args.cases:
         case = f'{d}x{heads}{"m" if masked else ""}'
         for name in args.dtypes:
-            for fn, a, kw in recorded_launches(d, heads, masked, DTYPES[name]):
+            for fn, a, kw in recorded_launches(d, heads, masked, DTYPES[name], args.arch):
                 row = dict(case=case, dtype=name, **build(fn, a, kw, args.arch))
                 rows.append(row)
                 print(f'{row["kernel"]:26} {case:7} {name:5} {row["registers"]:4d} '

@@ -121,6 +121,20 @@ def in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args) -
     return out.to(dtype)
 
 
+def exact_fp32(dtype: torch.dtype) -> bool:
+    """Whether fp32 inputs must take exact (IEEE) dots: torch's matmul setting,
+    read through the API it was set with (``fp32_precision`` is ``'tf32'`` or
+    ``'ieee'`` once either API sets it; reading the legacy ``allow_tf32`` after
+    the new API raises)."""
+    if dtype != torch.float32:
+        return False
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, 'fp32_precision', 'none')
+    if precision in ('tf32', 'ieee'):
+        return precision == 'ieee'
+    return not matmul.allow_tf32
+
+
 def _focusing_scale(scale: Tensor, like: Tensor) -> Tensor:
     """softplus(scale) as (C,) in ``like``'s dtype (inside :func:`in_fp32`)."""
     return F.softplus(scale.to(like.dtype)).view(-1)

@@ -42,8 +42,9 @@ so each side has a pass computing per-(row, head) shares of it (stored as
 3. keys: dv and c's shares;
 4. keys: dk and the partial gradient of s_inv.
 
-With one head a row's c has one share, its own: passes 1 and 2 are one pass,
-and so are 3 and 4 (q, g, k and v read once each).
+With one head a row's c has one share, its own: passes 3 and 4 are one pass,
+and on sm_90 and later so are 1 and 2 (q, g, k and v read once each; before
+sm_90 that fused query pass spills registers).
 
 Precision: statistics, normalisers, states and accumulators are fp32; only the
 dots' operands are narrowed. bf16 inputs take bf16 operands (u, phi, the states
@@ -51,8 +52,8 @@ cast; tensor cores at full rate, fp32's exponent range). fp16 inputs take tf32
 dots: fp16's 10-bit mantissa without its range, which u^p (large p) and the
 states' gradients (up to 1 / eps where u . km is tiny) leave; a dot costs
 about 2d flops per element moved, which at d <= 64 tf32 tensor cores still
-outpace memory traffic. fp32 inputs take exact fp32 dots unless
-``torch.backends.cuda.matmul.allow_tf32``.
+outpace memory traffic. fp32 inputs take exact fp32 dots unless torch's matmul
+precision allows TF32 (:func:`.dispatch.exact_fp32`).
 
 Tiling (:func:`.triton_kernels.plan`): eight warps per program, token blocks of
 4096 / d_padded tokens (128 at d = 32, 64 at d = 64), so a block, a d x d state
@@ -70,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import _torch_backend, get_backend, register_backend
+from .dispatch import _torch_backend, exact_fp32, get_backend, register_backend
 
 # registered when triton is installed; imported on the first call only, so
 # processes that never run it on CUDA (CPU training, tests under the
@@ -265,8 +266,7 @@ def _fall_back_on_first_failure(err: Exception) -> bool:
 
 def auto_head_dim(dtype: torch.dtype) -> int:
     """The widest head ``'auto'`` sends to the kernels for inputs of ``dtype``."""
-    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    return MAX_EXACT_HEAD_DIM if exact else MAX_HEAD_DIM
+    return MAX_EXACT_HEAD_DIM if exact_fp32(dtype) else MAX_HEAD_DIM
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .dispatch import exact_fp32
 from .reference import EPS
 
 _EPS = tl.constexpr(EPS)
@@ -402,19 +403,30 @@ INTERPRETED = _interpreting()  # fixed when triton.jit decorated the kernels abo
 # Eight warps: with four, a program's (BLOCK_N, BD) fp32 blocks, its d x d state
 # and the mapping's temporaries overflow the register file (spills) at d = 64.
 NUM_WARPS = 8
-_SM_COUNTS = {}
+_DEVICES = {}
+
+
+def _properties(device: torch.device) -> Tuple[int, Tuple[int, int]]:
+    """Multiprocessor count and compute capability of a CUDA device, asked once
+    per device; off CUDA (the interpreter) an H100/H200's, 132 and (9, 0)."""
+    if device.type != 'cuda':
+        return 132, (9, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEVICES:
+        props = torch.cuda.get_device_properties(index)
+        _DEVICES[index] = props.multi_processor_count, (props.major, props.minor)
+    return _DEVICES[index]
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (asked once per device; 132 on an H100/H200,
-    and that figure under the interpreter): the chunked sweeps aim at a few
-    programs per multiprocessor."""
-    if device.type != 'cuda':
-        return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    """Multiprocessors of ``device``: the chunked sweeps aim at a few programs per
+    multiprocessor."""
+    return _properties(device)[0]
+
+
+def capability(device: torch.device) -> Tuple[int, int]:
+    """Compute capability of ``device`` (tiling choices that differ by GPU generation)."""
+    return _properties(device)[1]
 
 
 class Plan(NamedTuple):
@@ -440,16 +452,15 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
     output kernel spill; ``tools/analysis_tools/kernel_resources.py`` reports
     each kernel's registers and spills). ``backward`` halves the block (at least
     16): the gradient passes hold several more blocks live (x, a, u, A, the
-    mapping's gradient), and at full blocks they took 197-234 registers on sm_90
-    (one 8-warp program a multiprocessor) and spilled on sm_80; at half, 80-179
-    and no spills on either.
+    mapping's gradient); at full blocks they spilled at real sizes on sm_90 and
+    sm_80, at half blocks on neither (130-223 registers on sm_90, bf16).
     Chunks of blocks per program so that (image, head, chunk) programs about fill
     the GPU (a few per multiprocessor) without many partial states to add up.
     Under the interpreter, blocks of 16 tokens and two per program, so that the
     tests' small shapes cross block and chunk borders.
     """
     bd = max(16, triton.next_power_of_2(d))
-    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    exact = exact_fp32(dtype)
     if INTERPRETED:
         block_n, per = 16, 2
     else:
@@ -536,9 +547,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
 def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
                     stats_q: Tensor, p: float, h: int, dtype: torch.dtype) -> Tuple[Tensor, ...]:
     """dq, the per-channel gradient of s_inv through q, and the gradients of KV and km.
-    One head: one pass (the dq pass makes the partials too); else two."""
+    One head: one pass (the dq pass makes the partials too), but before sm_90,
+    where that pass spills registers (ptxas, sm_80: 224 bytes a thread at d = 64,
+    bf16) and the two passes do not; else two."""
     B, N, C = q.shape
-    d, whole = C // h, h == 1
+    d, whole = C // h, h == 1 and capability(q.device) >= (9, 0)
     f32 = dict(dtype=torch.float32, device=q.device)
     qp = plan(N, B * h, d, dtype, sm_count(q.device), backward=True)
     dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)

@@ -292,9 +292,12 @@ def test_tiles_and_auto_head_widths(monkeypatch):
         assert blocks == {16: 64, 32: 32, 64: 16, 128: 16}
         assert kernels.plan(4096, 8, 64, torch.float32).precision == 'ieee'
         assert kernels.plan(4096, 8, 64, torch.bfloat16).block_n == 64
-        # backward: half blocks (its passes hold more of them live), the same tokens
-        half = kernels.plan(4096, 8, 32, torch.bfloat16, backward=True)
-        assert half.block_n == 64 and half.chunks * half.blocks_per_prog * 64 >= 4096
+        # backward: half blocks (its passes hold more of them live), as many
+        # programs (Swin-T stage 1 of 800x1333, batch 16)
+        full = kernels.plan(66_800, 48, 32, torch.bfloat16)
+        half = kernels.plan(66_800, 48, 32, torch.bfloat16, backward=True)
+        assert (full.block_n, half.block_n) == (128, 64)
+        assert half.chunks == full.chunks and abs(half.blocks_per_prog - 2 * full.blocks_per_prog) <= 1
         assert kernels.plan(4096, 8, 64, torch.float32, backward=True).block_n == 16
         assert tb.auto_head_dim(torch.float32) == 64
         assert tb.auto_head_dim(torch.bfloat16) == tb.auto_head_dim(torch.float16) == 128
@@ -303,3 +306,39 @@ def test_tiles_and_auto_head_widths(monkeypatch):
         assert kernels.plan(4096, 8, 64, torch.float32).block_n == 64
     finally:
         matmul.allow_tf32 = tf32
+
+
+def test_exact_fp32_reads_either_tf32_api():
+    """torch's new precision API makes reading the legacy flag raise: both are read
+    through exact_fp32, which plan and 'auto' share."""
+    from flatten_mm.models.ops.dispatch import exact_fp32
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = 'tf32'
+        assert not exact_fp32(torch.float32) and tb.auto_head_dim(torch.float32) == 128
+        matmul.fp32_precision = 'ieee'
+        assert exact_fp32(torch.float32) and tb.auto_head_dim(torch.float32) == 64
+        assert not exact_fp32(torch.bfloat16)
+    finally:
+        matmul.fp32_precision = before
+
+
+def test_one_head_before_sm90_keeps_two_query_passes(monkeypatch):
+    """Before sm_90 the one-head query side runs as with several heads (the fused
+    pass spills there): the same values and gradients."""
+    kernels = tb.kernels()
+    launched = []
+    real = kernels._query_state_grad_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+    monkeypatch.setattr(kernels, 'capability', lambda device: (8, 0))
+    monkeypatch.setattr(kernels, '_query_state_grad_kernel', Counting())
+    check(torch.float32, 2, 37, 10, 32, 1, 3.0, True)
+    assert len(launched) == 1
+    monkeypatch.setattr(kernels, 'capability', lambda device: (9, 0))
+    check(torch.float32, 2, 37, 10, 32, 1, 3.0, True)
+    assert len(launched) == 1  # fused on sm_90: no separate pass
