@@ -260,3 +260,19 @@ def test_benchmark_backbone_times_timm_classifiers_against_timm_softmax(tmp_path
     assert 'images/s' in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tool.main(['--models', 'timm:no_such_model'])
+
+
+def test_check_compile_counts_graphs_and_compares_with_eager(tmp_path):
+    """Two sizes, then the first again: two graphs, no break, and the compiled
+    outputs and gradients equal eager's (aot_eager: dynamo's tracing and AOT
+    autograd without Inductor's C++ build)."""
+    tool = load_tool('check_compile')
+    out = tmp_path / 'compile.json'
+    (row,) = tool.main(['--models', 'flatten-pvtv2-b0', '--sizes', '64x96', '72x80',
+                        '--backend', 'aot_eager', '--iters', '1', '--out', str(out)])
+    assert row['graphs'] == 2 and row['graph_breaks'] == 0 and row['ok']
+    assert row['output_error'] < 1e-5 and row['grad_error'] < 1e-5
+    assert len(row['first_steps_s']) == 3 and row['compiled_step_s'] > 0
+    assert json.loads(out.read_text())[0]['graphs'] == 2
+    with pytest.raises(SystemExit):
+        tool.main(['--models', 'flatten-vit-b'])
