@@ -123,3 +123,17 @@ def test_plain_param_groups_hook_lets_compile_trace_the_optimizer_step():
     for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
         torch.testing.assert_close(a, b)
     assert wrapper.optimizer.state_dict()['state'][0]['step'] == 2
+
+
+def test_plain_param_groups_hook_converts_every_optimizer_of_a_dict():
+    from mmengine.optim import OptimWrapperDict
+
+    from flatten_mm import PlainParamGroupsHook
+    nets = [torch.nn.ModuleDict(dict(fc=torch.nn.Linear(2, 2), norm=torch.nn.LayerNorm(2)))
+            for _ in range(2)]
+    wrappers = OptimWrapperDict(gen=_adamw_with_paramwise_groups(nets[0]),
+                                disc=_adamw_with_paramwise_groups(nets[1]))
+    PlainParamGroupsHook().before_train(SimpleNamespace(optim_wrapper=wrappers))
+    for wrapper in wrappers.values():
+        groups = wrapper.optimizer.param_groups
+        assert all(type(g) is dict for g in groups) and len(groups) == 4
