@@ -234,17 +234,77 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
     if d > MAX_HEAD_DIM:
         raise ValueError(f"the 'triton' attention backend takes head widths up to "
                          f'{MAX_HEAD_DIM}, got d={d} (C={q.shape[-1]}, num_heads={num_heads})')
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        s_inv = 1.0 / F.softplus(scale.float()).reshape(-1)
     try:
-        out = torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
-                                                    int(num_heads), key_mask)[0]
+        out = _kernels_op(q, k, v, scale, focusing_factor, num_heads, key_mask)
     except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
         if not _fall_back_on_first_failure(err):
             raise
         return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
     _KERNELS['ran'] = True
+    if not _agrees_on_first_use(q, k, v, scale, focusing_factor, num_heads, key_mask):
+        return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
     return out
+
+
+def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
+                num_heads: int, key_mask: Optional[Tensor] = None) -> Tensor:
+    """The forward op, with s_inv made from ``scale`` by differentiable PyTorch ops."""
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        s_inv = 1.0 / F.softplus(scale.float()).reshape(-1)
+    return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
+                                                 int(num_heads), key_mask)[0]
+
+
+# How far the kernels may be from the torch backend on the first-use check:
+# several times the tests' bounds against float64 (test_triton.py), far below
+# the O(1) of a wrong kernel.
+AGREE_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+_AGREED = set()
+
+
+def _probe(fn, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float, h: int,
+           key_mask: Optional[Tensor]) -> list:
+    """Output and gradients of q, k, v, scale of ``fn`` on detached copies, for a
+    fixed output gradient (no random numbers drawn)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, scale)]
+    with torch.enable_grad():
+        out = fn(*leaves, p, h, key_mask)
+        g = torch.cos(torch.arange(out.numel(), device=out.device, dtype=torch.float32))
+        grads = torch.autograd.grad(out, leaves, g.view_as(out).to(out.dtype))
+    return [out.detach(), *grads]
+
+
+def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float, h: int,
+                         key_mask: Optional[Tensor]) -> bool:
+    """Under ``'auto'``, in eager mode, the first call of each configuration
+    (device, dtype, head width, one head or several, key mask) is checked against
+    the torch backend on its first image: output and the gradients of q, k, v
+    and scale, each within :data:`AGREE_TOL` (relative norm). On a disagreement
+    (a GPU, driver or Triton on which the kernels compute wrong) it warns with
+    the errors, sends this process to the torch backend and returns False: a
+    wrong kernel is never silent. A forced ``'triton'`` is not checked."""
+    if get_backend() != 'auto' or torch.compiler.is_compiling():
+        return True
+    key = (q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
+    if key in _AGREED:
+        return True
+    mask = None if key_mask is None else key_mask[:1]
+    ours = _probe(_kernels_op, q[:1], k[:1], v[:1], scale, p, h, mask)
+    theirs = _probe(lambda *args: _torch_backend(*args, False), q[:1], k[:1], v[:1], scale, p,
+                    h, mask)
+    errors = {name: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+              for name, a, b in zip(('out', 'q', 'k', 'v', 'scale'), ours, theirs)}
+    if max(errors.values()) <= AGREE_TOL[q.dtype]:
+        _AGREED.add(key)
+        return True
+    _KERNELS['importable'] = False  # supports() answers False from now on
+    found = ', '.join(f'{name} {err:.1e}' for name, err in errors.items())
+    warnings.warn(f"the 'triton' attention kernels disagree with the 'torch' backend on "
+                  f'{q.device} ({q.dtype}, head width {key[2]}, {h} heads): relative errors '
+                  f'{found}, allowed {AGREE_TOL[q.dtype]:.0e}; this process uses the torch '
+                  "backend instead. Please report it with your GPU, driver and triton "
+                  'versions.', RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _fall_back_on_first_failure(err: Exception) -> bool:

@@ -342,3 +342,48 @@ def test_one_head_before_sm90_keeps_two_query_passes(monkeypatch):
     monkeypatch.setattr(kernels, 'capability', lambda device: (9, 0))
     check(torch.float32, 2, 37, 10, 32, 1, 3.0, True)
     assert len(launched) == 1  # fused on sm_90: no separate pass
+
+
+def _auto_first_use(monkeypatch):
+    """The backend as 'auto' runs it on a first call (the interpreter stands in
+    for a GPU): a fresh first-use record, the process-wide state restored after."""
+    monkeypatch.setattr(tb, 'get_backend', lambda: 'auto')
+    monkeypatch.setattr(tb, '_AGREED', set())
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    probes = []
+    real = tb._probe
+    monkeypatch.setattr(tb, '_probe', lambda *a: probes.append(a[0]) or real(*a))
+    return probes
+
+
+def test_first_use_is_checked_against_the_torch_backend(monkeypatch):
+    probes = _auto_first_use(monkeypatch)
+    q, k, v, scale, mask, g = inputs(2, 37, 37, 64, torch.float32, masked=True)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # agreeing kernels warn nothing
+        out = tb.triton_backend(q, k, v, scale, 3.0, 2, mask)
+        again = tb.triton_backend(q, k, v, scale, 3.0, 2, mask)
+    assert len(probes) == 2  # the kernels and the torch backend, once per configuration
+    assert len(tb._AGREED) == 1 and torch.equal(out, again)
+    tb.triton_backend(q[:, :, :32], k[:, :, :32], v[:, :, :32], scale[..., :32], 3.0, 1, None)
+    assert len(probes) == 4 and len(tb._AGREED) == 2  # one head, no mask: checked too
+
+
+def test_disagreeing_kernels_warn_and_fall_back(monkeypatch):
+    """A kernel that computes wrong on some GPU is never silent: the first call's
+    check warns with the errors, returns the torch backend's output, and 'auto'
+    keeps to the torch backend from then on."""
+    _auto_first_use(monkeypatch)
+    kernels = tb.kernels()
+    real = kernels.forward
+
+    def wrong(*args):
+        out, *rest = real(*args)
+        return (out * 1.5, *rest)
+    monkeypatch.setattr(kernels, 'forward', wrong)
+    q, k, v, scale, mask, g = inputs(1, 37, 37, 64, torch.float32, masked=True)
+    with pytest.warns(RuntimeWarning, match=r'disagree with the .torch. backend .* out 5\.0e-01'):
+        out = tb.triton_backend(q, k, v, scale, 3.0, 2, mask)
+    expected = run('torch', q, k, v, scale, 3.0, 2, mask, g)[0]
+    assert torch.allclose(out, expected, atol=1e-6) and not tb._KERNELS['importable']
