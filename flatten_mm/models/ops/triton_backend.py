@@ -288,6 +288,9 @@ def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: floa
     key = (q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
     if key in _AGREED:
         return True
+    keys = k.shape[1] if key_mask is None else int(key_mask[0].sum())  # one sync, until agreed
+    if keys < 2:  # one key: q's and k's gradients are eps-sized noise, no test
+        return True
     mask = None if key_mask is None else key_mask[:1]
     ours = _probe(_kernels_op, q[:1], k[:1], v[:1], scale, p, h, mask)
     theirs = _probe(lambda *args: _torch_backend(*args, False), q[:1], k[:1], v[:1], scale, p,
