@@ -118,6 +118,15 @@ def check_model_name(name: str) -> None:
                          '(flatten ones also as NAME@reference or NAME@rev)')
 
 
+def check_model_names(parser: argparse.ArgumentParser, names) -> None:
+    """``parser.error`` naming the first unknown model of ``names``."""
+    for name in names:
+        try:
+            check_model_name(name)
+        except ValueError as err:
+            parser.error(str(err))
+
+
 def build_model(name: str):
     """The backbone called ``name`` (see the module docstring)."""
     check_model_name(name)
@@ -515,11 +524,7 @@ def main(argv=None):
         return worker_main(args.worker)
     if args.serve:
         return serve_worker(json.loads(args.serve))
-    try:
-        for name in args.models:
-            check_model_name(name)
-    except ValueError as err:
-        parser.error(str(err))
+    check_model_names(parser, args.models)
     if args.dtypes is None:
         args.dtypes = ['fp32']
         if args.device.startswith('cuda'):

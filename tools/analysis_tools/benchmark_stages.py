@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_backbone import build_model, check_model_name, parse_size  # noqa: E402
+from benchmark_backbone import build_model, check_model_names, parse_size  # noqa: E402
 
 
 SWIN_PREFIXES = ('flatten-swin-', 'swin-')
@@ -78,11 +78,8 @@ def main(argv=None):
                         help="whole blocks, or only their attention halves")
     parser.add_argument('--threads', type=int, default=2)
     args = parser.parse_args(argv)
+    check_model_names(parser, args.models)
     for name in args.models:
-        try:
-            check_model_name(name)
-        except ValueError as err:
-            parser.error(str(err))
         if not name.startswith(SWIN_PREFIXES):
             parser.error(f'benchmark_stages takes Swin models (flatten-swin-*, swin-*), '
                          f'got {name!r}')

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_backbone import build_model, check_model_name, parse_size  # noqa: E402
+from benchmark_backbone import build_model, check_model_names, parse_size  # noqa: E402
 
 DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
 
@@ -112,11 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help='largest relative error (default 1e-4 in fp32, 3e-2 otherwise)')
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
-    for name in args.models:
-        try:
-            check_model_name(name)
-        except ValueError as err:
-            parser.error(str(err))
+    check_model_names(parser, args.models)
     if args.tol is None:
         args.tol = 1e-4 if args.dtype == 'fp32' else 3e-2
     return args

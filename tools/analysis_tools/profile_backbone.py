@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_backbone import Case, check_model_name, parse_size  # noqa: E402
+from benchmark_backbone import Case, check_model_names, parse_size  # noqa: E402
 
 # op name fragments -> family; the first match wins
 FAMILIES = [
@@ -125,11 +125,7 @@ def main(argv=None):
         import torch
         if not torch.cuda.is_available():
             parser.error(f'--device {args.device}: torch sees no CUDA device here')
-    for name in args.models:
-        try:
-            check_model_name(name)
-        except ValueError as err:
-            parser.error(str(err))
+    check_model_names(parser, args.models)
     results = []
     for name in args.models:
         spec = dict(model=name, size=args.size, mode=args.mode, threads=args.threads,
