@@ -282,8 +282,10 @@ def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: floa
     and scale, each within :data:`AGREE_TOL` (relative norm). On a disagreement
     (a GPU, driver or Triton on which the kernels compute wrong) it warns with
     the errors, sends this process to the torch backend and returns False: a
-    wrong kernel is never silent. A forced ``'triton'`` is not checked."""
-    if get_backend() != 'auto' or torch.compiler.is_compiling():
+    wrong kernel is never silent. A forced ``'triton'`` is not checked, nor a
+    call under ``torch.inference_mode`` (which allows no gradient)."""
+    if get_backend() != 'auto' or torch.compiler.is_compiling() or \
+            torch.is_inference_mode_enabled():  # no gradients there: left to a later call
         return True
     key = (q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
     if key in _AGREED:

@@ -368,8 +368,11 @@ def test_first_use_is_checked_against_the_torch_backend(monkeypatch):
     assert len(tb._AGREED) == 1 and torch.equal(out, again)
     tb.triton_backend(q[:, :, :32], k[:, :, :32], v[:, :, :32], scale[..., :32], 3.0, 1, None)
     assert len(probes) == 4 and len(tb._AGREED) == 2  # one head, no mask: checked too
-    # a single key (a tiny image's reduced grid) is no test: left to a later call
+    # a single key (a tiny image's reduced grid) is no test: left to a later call;
+    # so is a call under inference_mode, which allows no gradient
     tb.triton_backend(q, k[:, :1], v[:, :1], scale, 3.0, 4, None)
+    with torch.inference_mode():
+        tb.triton_backend(q, k, v, scale, 3.0, 4, None)
     assert len(probes) == 4 and len(tb._AGREED) == 2
 
 
