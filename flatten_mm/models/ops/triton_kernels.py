@@ -75,6 +75,14 @@ def _load_state(ptr, bh, cols, D):
 
 
 @triton.jit
+def _store_state(ptr, vec_ptr, slot, cols, cmask, D, state, vec):
+    """A (D, D) state and its (D,) vector into slot ``slot`` of the partials."""
+    smask = cmask[:, None] & cmask[None, :]
+    tl.store(ptr + slot * D * D + cols[:, None] * D + cols[None, :], state, mask=smask)
+    tl.store(vec_ptr + slot * D + cols, vec, mask=cmask)
+
+
+@triton.jit
 def _whole_row_stats(x, s_inv, cmask, p):
     """m, c, t and u of a block of whole rows (every channel of the mapping's norm)."""
     a = tl.where(cmask[None, :], (tl.maximum(x, 0.0) + _EPS) * s_inv[None, :], 0.0)
@@ -162,10 +170,7 @@ def _kv_state_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_pt
         vv = tl.where(keep[:, None], vv, 0.0).to(DOT_DTYPE)  # no NaN of padded values
         acc = tl.dot(tl.trans(phi.to(DOT_DTYPE)), vv, acc, input_precision=PREC)
         ksum += tl.sum(phi, axis=0)
-    slot = bh * tl.num_programs(1) + chunk
-    smask = cmask[:, None] & cmask[None, :]
-    tl.store(kv_ptr + slot * D * D + cols[:, None] * D + cols[None, :], acc, mask=smask)
-    tl.store(km_ptr + slot * D + cols, ksum, mask=cmask)
+    _store_state(kv_ptr, km_ptr, bh * tl.num_programs(1) + chunk, cols, cmask, D, acc, ksum)
 
 
 @triton.jit
@@ -205,9 +210,10 @@ def _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p):
 def _query_terms(q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
                  stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE: tl.constexpr,
                  PREC: tl.constexpr):
-    """Backward quantities of one block of queries and one head: x, a, u, c, t,
-    w (0 past the last token), A = g KV^T (gradient of u KV), the gradients gy of w
-    and gd of u . km; kv_t is KV^T as a dot operand."""
+    """Backward quantities of one block of queries and one head: x, g, a, u, c, t,
+    w (0 past the last token), A = g KV^T (gradient of u KV), the gradient gd of
+    u . km, and the row's share of the gradient of c (gy eps / den^2, gy that of
+    w); kv_t is KV^T as a dot operand."""
     x = _load_rows(q_ptr, b, tok, col0, cols, N, D, stride_qb, stride_qn).to(tl.float32)
     g = _load_rows(g_ptr, b, tok, col0, cols, N, D, stride_gb, stride_gn)
     m = _load_stat(stats_ptr, 0, b, tok, N, R)
@@ -219,7 +225,15 @@ def _query_terms(q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N
     grad_uk = tl.dot(g.to(DOT_DTYPE), kv_t, input_precision=PREC)
     gy = tl.sum(u * grad_uk, axis=1)
     gd = -gy * c * c / (den * den)  # w = c / (c dot + eps): dw/ddot = -c^2 / den^2
-    return x, g, a, u, c, t, den, w, grad_uk, gy, gd
+    return x, g, a, u, c, t, w, grad_uk, gd, gy * _EPS / (den * den)
+
+
+@triton.jit
+def _state_grad_step(u, w, g, gd, dkv, dkm, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """dKV += (w u)^T g and dkm += gd u over one block of queries."""
+    dkv = tl.dot(tl.trans((u * w[:, None]).to(DOT_DTYPE)), g.to(DOT_DTYPE), dkv,
+                 input_precision=PREC)
+    return dkv, dkm + tl.sum(u * gd[:, None], axis=0)
 
 
 @triton.jit
@@ -249,17 +263,12 @@ def _query_state_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr,
     dkm = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _, g, _, u, c, _, den, w, _, gy, gd = _query_terms(
+        _, g, _, u, _, _, w, _, gd, c_share = _query_terms(
             q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
             stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
-        tl.store(gc_ptr + (b * N + tok) * h + bh % h, gy * _EPS / (den * den), mask=tok < N)
-        wu = (u * w[:, None]).to(DOT_DTYPE)
-        dkv = tl.dot(tl.trans(wu), g.to(DOT_DTYPE), dkv, input_precision=PREC)
-        dkm += tl.sum(u * gd[:, None], axis=0)
-    slot = bh * tl.num_programs(1) + chunk
-    smask = cmask[:, None] & cmask[None, :]
-    tl.store(dkv_ptr + slot * D * D + cols[:, None] * D + cols[None, :], dkv, mask=smask)
-    tl.store(dkm_ptr + slot * D + cols, dkm, mask=cmask)
+        tl.store(gc_ptr + (b * N + tok) * h + bh % h, c_share, mask=tok < N)
+        dkv, dkm = _state_grad_step(u, w, g, gd, dkv, dkm, DOT_DTYPE, PREC)
+    _store_state(dkv_ptr, dkm_ptr, bh * tl.num_programs(1) + chunk, cols, cmask, D, dkv, dkm)
 
 
 @triton.jit
@@ -290,15 +299,13 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
     dkm = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        x, g, a, u, c, t, den, w, grad_uk, gy, gd = _query_terms(
+        x, g, a, u, c, t, w, grad_uk, gd, c_share = _query_terms(
             q_ptr, g_ptr, stats_ptr, s_inv, kv_t, km, b, tok, col0, cols, N, R, D,
             stride_qb, stride_qn, stride_gb, stride_gn, p, DOT_DTYPE, PREC)
         grad_u = w[:, None] * grad_uk + gd[:, None] * km[None, :]
         if WHOLE_ROWS:
-            grad_c = gy * _EPS / (den * den)
-            dkv = tl.dot(tl.trans((u * w[:, None]).to(DOT_DTYPE)), g.to(DOT_DTYPE), dkv,
-                         input_precision=PREC)
-            dkm += tl.sum(u * gd[:, None], axis=0)
+            grad_c = c_share
+            dkv, dkm = _state_grad_step(u, w, g, gd, dkv, dkm, DOT_DTYPE, PREC)
         else:
             grad_c = _row_sum_over_heads(gc_ptr, b, tok, N, h, BH)
         grad_x, grad_s = _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p)
@@ -307,9 +314,7 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
     slot = bh * tl.num_programs(1) + chunk
     tl.store(ds_ptr + slot * D + cols, ds, mask=cmask)
     if WHOLE_ROWS:
-        smask = cmask[:, None] & cmask[None, :]
-        tl.store(dkv_ptr + slot * D * D + cols[:, None] * D + cols[None, :], dkv, mask=smask)
-        tl.store(dkm_ptr + slot * D + cols, dkm, mask=cmask)
+        _store_state(dkv_ptr, dkm_ptr, slot, cols, cmask, D, dkv, dkm)
 
 
 @triton.jit
@@ -335,6 +340,14 @@ def _key_terms(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count,
 
 
 @triton.jit
+def _value_grad(u, c, share, bm, dkv_op, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """dv = kappa (u dKV) of a block of keys, and each row's share of the gradient
+    of c (share u . Bm)."""
+    dv = tl.dot(u.to(DOT_DTYPE), dkv_op, input_precision=PREC) * (c * share)[:, None]
+    return dv, share * tl.sum(u * bm, axis=1)
+
+
+@triton.jit
 def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_ptr,
                            inv_count_ptr, gc_ptr, dv_ptr, n, h, D, stride_kb, stride_kn,
                            stride_vb, stride_vn, stride_mb, stride_db, stride_dn, p,
@@ -352,9 +365,9 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
         cols, n,
         n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn, stride_mb,
         p, HAS_MASK, DOT_DTYPE, PREC)
-    dv = tl.dot(u.to(DOT_DTYPE), dkv_op, input_precision=PREC) * (c * share)[:, None]
+    dv, c_share = _value_grad(u, c, share, bm, dkv_op, DOT_DTYPE, PREC)
     _store_rows(dv_ptr, dv, b, tok, col0, cols, n, D, stride_db, stride_dn)
-    tl.store(gc_ptr + (b * n + tok) * h + bh % h, share * tl.sum(u * bm, axis=1), mask=tok < n)
+    tl.store(gc_ptr + (b * n + tok) * h + bh % h, c_share, mask=tok < n)
 
 
 @triton.jit
@@ -382,8 +395,7 @@ def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_
             n, n * (tl.num_programs(0) // h), D, stride_kb, stride_kn, stride_vb, stride_vn,
             stride_mb, p, HAS_MASK, DOT_DTYPE, PREC)
         if WHOLE_ROWS:
-            grad_c = share * tl.sum(u * bm, axis=1)
-            dv = tl.dot(u.to(DOT_DTYPE), dkv_op, input_precision=PREC) * (c * share)[:, None]
+            dv, grad_c = _value_grad(u, c, share, bm, dkv_op, DOT_DTYPE, PREC)
             _store_rows(dv_ptr, dv, b, tok, col0, cols, n, D, stride_eb, stride_en)
         else:
             grad_c = _row_sum_over_heads(gc_ptr, b, tok, n, h, BH)
@@ -551,14 +563,14 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
     where that pass spills registers (ptxas, sm_80: 224 bytes a thread at d = 64,
     bf16) and the two passes do not; else two."""
     B, N, C = q.shape
-    d, whole = C // h, h == 1 and capability(q.device) >= (9, 0)
+    d, fused = C // h, h == 1 and capability(q.device) >= (9, 0)
     f32 = dict(dtype=torch.float32, device=q.device)
     qp = plan(N, B * h, d, dtype, sm_count(q.device), backward=True)
     dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)
     dkm_part = torch.empty((B * h, qp.chunks, d), **f32)
     grid = (B * h, qp.chunks)
-    gc = dkm_part  # read only with several heads
-    if not whole:
+    gc = dkm_part  # read only without the fused pass
+    if not fused:
         gc = torch.empty((B, N, h), **f32)
         _query_state_grad_kernel[grid](
             q, g, stats_q, s_inv, kv, km, gc, dkv_part, dkm_part, N, h, d, q.stride(0),
@@ -568,7 +580,7 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
     _query_grad_kernel[grid](
         q, g, stats_q, s_inv, kv, km, gc, dq, ds, dkv_part, dkm_part, N, h, d, q.stride(0),
         q.stride(1), g.stride(0), g.stride(1), dq.stride(0), dq.stride(1), p,
-        qp.blocks_per_prog, WHOLE_ROWS=whole, BH=triton.next_power_of_2(h), **_launch_opts(qp))
+        qp.blocks_per_prog, WHOLE_ROWS=fused, BH=triton.next_power_of_2(h), **_launch_opts(qp))
     ds = ds.view(B, h, qp.chunks, d).sum((0, 2)).reshape(C)
     return dq, ds, dkv_part.sum(1), dkm_part.sum(1)
 
