@@ -135,16 +135,17 @@ def exact_fp32(dtype: torch.dtype) -> bool:
     return not matmul.allow_tf32
 
 
-def _focusing_scale(scale: Tensor, like: Tensor) -> Tensor:
-    """softplus(scale) as (C,) in ``like``'s dtype (inside :func:`in_fp32`)."""
-    return F.softplus(scale.to(like.dtype)).view(-1)
+def focusing_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """softplus(scale) as (C,) in ``dtype``: the divisor of the focused mapping
+    from the layer's raw ``scale`` parameter, for every backend."""
+    return F.softplus(scale.to(dtype)).view(-1)
 
 
 def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                    num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The hand-written autograd function."""
     return in_fp32(lambda q, k, v: FocusedLinearAttentionFn.apply(
-        q, k, v, 1.0 / _focusing_scale(scale, q), focusing_factor, num_heads, key_mask,
+        q, k, v, 1.0 / focusing_scale(scale, q.dtype), focusing_factor, num_heads, key_mask,
         overwrite_qk), q, k, v)
 
 
@@ -152,7 +153,7 @@ def _reference_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_
                        num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The formula with autograd."""
     def formula(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        s = _focusing_scale(scale, q)
+        s = focusing_scale(scale, q.dtype)
         return linear_attention(focusing_map(q, s, focusing_factor),
                                 focusing_map(k, s, focusing_factor), v, num_heads, key_mask)
     return in_fp32(formula, q, k, v)

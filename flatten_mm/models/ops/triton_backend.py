@@ -68,10 +68,10 @@ from types import ModuleType
 from typing import Any, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import _torch_backend, exact_fp32, get_backend, register_backend
+from .dispatch import (_torch_backend, exact_fp32, focusing_scale, get_backend,
+                       register_backend)
 
 # registered when triton is installed; imported on the first call only, so
 # processes that never run it on CUDA (CPU training, tests under the
@@ -250,7 +250,7 @@ def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor:
                 num_heads: int, key_mask: Optional[Tensor] = None) -> Tensor:
     """The forward op, with s_inv made from ``scale`` by differentiable PyTorch ops."""
     with torch.autocast(device_type=q.device.type, enabled=False):
-        s_inv = 1.0 / F.softplus(scale.float()).reshape(-1)
+        s_inv = 1.0 / focusing_scale(scale, torch.float32)
     return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
                                                  int(num_heads), key_mask)[0]
 
