@@ -302,13 +302,11 @@ def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: floa
     if max(errors.values()) <= AGREE_TOL[q.dtype]:
         _AGREED.add(key)
         return True
-    _KERNELS['importable'] = False  # supports() answers False from now on
     found = ', '.join(f'{name} {err:.1e}' for name, err in errors.items())
-    warnings.warn(f"the 'triton' attention kernels disagree with the 'torch' backend on "
-                  f'{q.device} ({q.dtype}, head width {key[2]}, {h} heads): relative errors '
-                  f'{found}, allowed {AGREE_TOL[q.dtype]:.0e}; this process uses the torch '
-                  "backend instead. Please report it with your GPU, driver and triton "
-                  'versions.', RuntimeWarning, stacklevel=3)
+    _leave_for_torch(f"the 'triton' attention kernels disagree with the 'torch' backend on "
+                     f'{q.device} ({q.dtype}, head width {key[2]}, {h} heads): relative '
+                     f'errors {found}, allowed {AGREE_TOL[q.dtype]:.0e}; please report it with '
+                     'your GPU, driver and triton versions')
     return False
 
 
@@ -321,12 +319,17 @@ def _fall_back_on_first_failure(err: Exception) -> bool:
     if get_backend() != 'auto' or _KERNELS.get('ran') or torch.compiler.is_compiling() \
             or isinstance(err, (torch.OutOfMemoryError, ValueError)):
         return False  # not a kernel that cannot be built: the caller's error
-    _KERNELS['importable'] = False  # supports() answers False from now on
-    warnings.warn(f"the 'triton' attention backend failed on its first call ({err!r}); "
-                  "this process uses the 'torch' backend instead (set "
-                  "FLATTEN_MM_ATTN_BACKEND=torch to choose it and silence this)",
-                  RuntimeWarning, stacklevel=3)
+    _leave_for_torch(f"the 'triton' attention backend failed on its first call ({err!r})")
     return True
+
+
+def _leave_for_torch(reason: str) -> None:
+    """Warn with ``reason`` and make ``'auto'`` take the torch backend for the
+    rest of the process (``supports()`` answers False from now on)."""
+    _KERNELS['importable'] = False
+    warnings.warn(f"{reason}; this process uses the 'torch' backend instead (set "
+                  "FLATTEN_MM_ATTN_BACKEND=torch to choose it and silence this)",
+                  RuntimeWarning, stacklevel=4)
 
 
 def auto_head_dim(dtype: torch.dtype) -> int:
