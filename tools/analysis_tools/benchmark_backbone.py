@@ -127,6 +127,11 @@ def check_model_names(parser: argparse.ArgumentParser, names) -> None:
             parser.error(str(err))
 
 
+def model_outputs(out) -> list:
+    """A backbone's maps, or a classifier's logits as a one-item list."""
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
 def build_model(name: str):
     """The backbone called ``name`` (see the module docstring)."""
     check_model_name(name)
@@ -218,8 +223,7 @@ class Case:
                 model(self.x)
         else:
             with self.autocast:
-                outs = model(self.x)
-            outs = [outs] if isinstance(outs, torch.Tensor) else outs  # a classifier's logits
+                outs = model_outputs(model(self.x))
             sum(o.float().mean() for o in outs).backward()
             model.zero_grad(set_to_none=True)
         if self.device.type == 'cuda':

@@ -26,13 +26,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_backbone import build_model, check_model_names, parse_size  # noqa: E402
+from benchmark_backbone import (build_model, check_model_names, model_outputs,  # noqa: E402
+                                parse_size)
 
 DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
-
-
-def outputs(out) -> list:
-    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def train_step(model, x: torch.Tensor, dtype: torch.dtype) -> tuple:
@@ -42,7 +39,7 @@ def train_step(model, x: torch.Tensor, dtype: torch.dtype) -> tuple:
         torch.cuda.synchronize(x.device)
     start = time.perf_counter()
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        outs = outputs(model(x))
+        outs = model_outputs(model(x))
     sum(o.float().pow(2).mean() for o in outs).backward()
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
