@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .designs import check_design, check_kernel_size, get_design, local_kernel
-from .ops import depthwise_conv
+from .ops import depthwise_conv_add
+from .ops.conv import torch_conv_add
 from .resize import add_resized, cached_resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, check_heads, check_number, check_positive_int,
                     map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
@@ -75,14 +76,26 @@ def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
     return torch.cat([k[:, :P], layer.add_positional_encoding_(k[:, P:].contiguous(), grid)], 1)
 
 
-def add_local_term(out: Tensor, local: Optional[Tensor], num_prefix_tokens: int) -> None:
-    """DWC(V) (+ LePE) ``local`` (B, H*W, C) added in place to the grid's
-    tokens of the attention term ``out`` (the first C channels: EfficientViT's
-    first scale); nothing when ``local`` is None (no DWC, no LePE). Prefix
-    tokens get no local term."""
-    if local is not None:
-        C = local.shape[-1]
-        grid_tokens(out if out.shape[-1] == C else out[..., :C], num_prefix_tokens).add_(local)
+def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
+                   hw_shape: HWShape) -> Tensor:
+    """The attention term ``out`` plus the layer's DWC(V) (+ LePE) on the query
+    grid, V resized from the key ``grid`` first where that differs (reduced
+    keys); ``out`` itself when the layer has neither. Prefix tokens get no local
+    term; with more than V's C channels (EfficientViT's scales) the first C
+    take it. Otherwise it is one op a backend may fuse
+    (:func:`~flatten_mm.models.ops.depthwise_conv_add`)."""
+    kernel = local_kernel(layer)
+    if kernel is None:
+        return out
+    P = layer.num_prefix_tokens
+    v = grid_tokens(v, P)
+    if tuple(grid) != tuple(hw_shape):
+        v = layer.conv_on_grid(v, grid, lambda m: m, hw_shape)
+    C = v.shape[-1]
+    if P or out.shape[-1] != C:  # in place into the grid's first C channels
+        torch_conv_add(grid_tokens(out[..., :C], P), v, hw_shape, *kernel)
+        return out
+    return depthwise_conv_add(out, v, hw_shape, *kernel)
 
 
 def refuse_torchscript(module: nn.Module):
@@ -210,13 +223,6 @@ class FocusedLinearAttention(nn.Module):
             x_map = F.interpolate(x_map, size=tuple(size), mode='bilinear', align_corners=False)
         return map_to_tokens(conv(x_map))
 
-    def depthwise_conv(self, v: Tensor, grid: HWShape, hw_shape: HWShape) -> Optional[Tensor]:
-        """DWC(V) (+ LePE(V)) on the query grid, (B, N, C); None without either."""
-        kernel = local_kernel(self)
-        if kernel is None:
-            return None
-        return self.conv_on_grid(v, grid, lambda m: depthwise_conv(m, *kernel), hw_shape)
-
     def forward(self, x: Tensor, hw_shape: HWShape, key_mask: Optional[Tensor] = None) -> Tensor:
         """
         Args:
@@ -235,7 +241,7 @@ class FocusedLinearAttention(nn.Module):
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
         out = self.attend(q, k, v, key_mask, overwrite_qk=True, grids=(hw_shape, grid))
-        add_local_term(out, self.depthwise_conv(grid_tokens(v, P), grid, hw_shape), P)
+        out = add_local_term(self, out, v, grid, hw_shape)
         return self.proj_drop(self.proj(out))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],

@@ -1,7 +1,8 @@
 """Build the attention core's Triton kernels for a GPU, without one, and report
 what each costs the GPU: registers, spilled bytes and shared memory per program.
 
-Every kernel that one forward and one backward of the core launch is built for
+Every kernel that one forward and one backward of the core (and of the fused
+DWC of V added to its output) launch is built for
 each case, with the arguments the launchers would pass on a GPU (the launchers
 run on CPU tensors with the launches recorded instead of made; tiling, operand
 dtypes and constexprs are the GPU's, not the interpreter's), by Triton's own
@@ -53,12 +54,14 @@ def parse_case(text: str) -> tuple:
 
 
 def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch: int) -> list:
-    """(kernel, args, kwargs) of each launch of one forward and backward, the
-    launchers run on CPU tensors with every kernel replaced by a recorder and the
-    device taken for one of compute capability ``arch``."""
+    """(kernel, args, kwargs) of each launch of one forward and backward of the
+    attention core and of the fused local term (the 5 x 5 DWC of V added to the
+    output, on a 16 x 24 grid), the launchers run on CPU tensors with every
+    kernel replaced by a recorder and the device taken for one of compute
+    capability ``arch``."""
     from triton.runtime.jit import JITFunction
 
-    from flatten_mm.models.ops import triton_kernels
+    from flatten_mm.models.ops import triton_conv_kernels, triton_kernels
     calls, kernels = [], {}
 
     class Recorder:
@@ -67,26 +70,32 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
-    for name, value in vars(triton_kernels).items():
-        if isinstance(value, JITFunction) and name.endswith('_kernel'):
-            kernels[name] = value
+    for module in (triton_kernels, triton_conv_kernels):
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and name.endswith('_kernel'):
+                kernels[name] = module, value
     # (image, head) programs >= 4 x 132 multiprocessors: the plan then gives
-    # each program every block of its row, 3 forward, 6 backward at d = 32
+    # each program every block of its row, 3 forward, 6 backward at d = 32;
+    # the conv's weight gradient 4 blocks of rows per program
     B, N, n, C = -(-600 // heads), 384, 384, d * heads
     q, k, v = (torch.randn(B, L, C).to(dtype) for L in (N, n, n))
     mask = torch.arange(n).expand(B, n) < n - 3 if masked else None
     s_inv, p = torch.ones(C), 3.0
+    weight, bias = torch.randn(C, 1, 5, 5), torch.randn(C)
     capability = triton_kernels.capability
     try:
         triton_kernels.capability = lambda device: divmod(arch, 10)
-        for name, fn in kernels.items():
-            setattr(triton_kernels, name, Recorder(fn))
+        for name, (module, fn) in kernels.items():
+            setattr(module, name, Recorder(fn))
         out, kv, km, stats_q, stats_k = triton_kernels.forward(q, k, v, s_inv, p, heads, mask)
         triton_kernels.backward(out, q, k, v, s_inv, kv, km, stats_q, stats_k, p, heads, mask)
+        triton_conv_kernels.conv_add(v, weight, bias, out, (16, 24))
+        triton_conv_kernels.conv_add(out, weight, None, None, (16, 24), flip=True)
+        triton_conv_kernels.weight_grad(out, v, 5, (16, 24))
     finally:
         triton_kernels.capability = capability
-        for name, fn in kernels.items():
-            setattr(triton_kernels, name, fn)
+        for name, (module, fn) in kernels.items():
+            setattr(module, name, fn)
     return calls
 
 

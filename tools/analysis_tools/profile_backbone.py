@@ -7,8 +7,9 @@
 
 Each model runs in its own subprocess (as ``benchmark_backbone.py``; same
 model names): one warm-up step, then ``--iters`` steps under
-``torch.profiler``. The self time of every op (aten ops, and the attention
-core's ``flatten_mm::`` custom ops: its Triton kernels) is summed into
+``torch.profiler``. The self time of every op (aten ops, and the
+``flatten_mm::`` custom ops: the Triton kernels of the attention core and of
+its DWC) is summed into
 families (matmul, conv, attention, norm, element-wise, reduction,
 layout/copy, resize/gather, other) so two models can be compared line by
 line: CPU time on the CPU, on CUDA the GPU time of the kernels each op
@@ -28,8 +29,8 @@ from benchmark_backbone import Case, check_model_names, parse_size  # noqa: E402
 # op name fragments -> family; the first match wins
 FAMILIES = [
     ('attention', ('scaled_dot_product', '_flash_attention', '_efficient_attention', 'softmax',
-                   'flatten_mm::')),
-    ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),
+                   'flatten_mm::triton_attention')),
+    ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),  # flatten_mm::triton_conv_add too
     ('matmul', ('addmm', 'aten::mm', 'bmm', 'matmul', 'linear', 'einsum', 'baddbmm', 'dot',
                 'vecdot')),
     ('norm', ('layer_norm', 'batch_norm', 'group_norm', 'vector_norm', 'linalg_vector_norm')),

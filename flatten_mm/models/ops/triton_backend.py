@@ -65,7 +65,7 @@ import importlib.util
 import os
 import warnings
 from types import ModuleType
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -237,7 +237,7 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
     try:
         out = _kernels_op(q, k, v, scale, focusing_factor, num_heads, key_mask)
     except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
-        if not _fall_back_on_first_failure(err):
+        if not fall_back_on_first_failure(err, _KERNELS.get('ran', False), 'attention backend'):
             raise
         return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
     _KERNELS['ran'] = True
@@ -262,64 +262,73 @@ AGREE_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 _AGREED = set()
 
 
-def _probe(fn, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float, h: int,
-           key_mask: Optional[Tensor]) -> list:
-    """Output and gradients of q, k, v, scale of ``fn`` on detached copies, for a
-    fixed output gradient (no random numbers drawn)."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, scale)]
+def _probe(fn, inputs: Sequence[Tensor]) -> list:
+    """Output and input gradients of ``fn`` on detached copies of ``inputs``, for
+    a fixed output gradient (no random numbers drawn)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
     with torch.enable_grad():
-        out = fn(*leaves, p, h, key_mask)
+        out = fn(*leaves)
         g = torch.cos(torch.arange(out.numel(), device=out.device, dtype=torch.float32))
         grads = torch.autograd.grad(out, leaves, g.view_as(out).to(out.dtype))
     return [out.detach(), *grads]
 
 
+def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Sequence[str],
+                what: str, config: str) -> bool:
+    """Under ``'auto'``, in eager mode, the first call of each configuration ``key``
+    of a Triton op ``ours`` is checked against its PyTorch form ``theirs`` on
+    ``inputs`` (the call's first image; ``names`` names the output and them, ``what`` and
+    ``config`` name the op and the configuration in the warning): output and
+    every input's gradient, each within :data:`AGREE_TOL` of the inputs' dtype
+    (relative norm). On a
+    disagreement (a GPU, driver or Triton on which the kernels compute wrong) it
+    warns with the errors, sends this process to the torch backend and returns
+    False: a wrong kernel is never silent. A forced ``'triton'`` is not checked,
+    nor a call under ``torch.inference_mode`` (which allows no gradient)."""
+    if get_backend() != 'auto' or torch.compiler.is_compiling() or \
+            torch.is_inference_mode_enabled() or key in _AGREED:
+        return True
+    errors = {name: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+              for name, a, b in zip(names, _probe(ours, inputs), _probe(theirs, inputs))}
+    tol = AGREE_TOL[inputs[1].dtype]
+    if max(errors.values()) <= tol:
+        _AGREED.add(key)
+        return True
+    found = ', '.join(f'{name} {err:.1e}' for name, err in errors.items())
+    _leave_for_torch(f"the 'triton' {what} disagree with the 'torch' backend on "
+                     f'{inputs[1].device} ({inputs[1].dtype}, {config}): relative errors '
+                     f'{found}, allowed {tol:.0e}; please report it with your GPU, driver and '
+                     'triton versions')
+    return False
+
+
 def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float, h: int,
                          key_mask: Optional[Tensor]) -> bool:
-    """Under ``'auto'``, in eager mode, the first call of each configuration
-    (device, dtype, head width, one head or several, key mask) is checked against
-    the torch backend on its first image: output and the gradients of q, k, v
-    and scale, each within :data:`AGREE_TOL` (relative norm). On a disagreement
-    (a GPU, driver or Triton on which the kernels compute wrong) it warns with
-    the errors, sends this process to the torch backend and returns False: a
-    wrong kernel is never silent. A forced ``'triton'`` is not checked, nor a
-    call under ``torch.inference_mode`` (which allows no gradient)."""
-    if get_backend() != 'auto' or torch.compiler.is_compiling() or \
-            torch.is_inference_mode_enabled():  # no gradients there: left to a later call
-        return True
-    key = (q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
-    if key in _AGREED:
+    """:func:`agrees_once` for the attention kernels: a configuration is the
+    device, dtype, head width, one head or several, and whether a key mask is given."""
+    key = ('attention', q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
+    if key in _AGREED or get_backend() != 'auto' or torch.compiler.is_compiling():
         return True
     keys = k.shape[1] if key_mask is None else int(key_mask[0].sum())  # one sync, until agreed
     if keys < 2:  # one key: q's and k's gradients are eps-sized noise, no test
         return True
     mask = None if key_mask is None else key_mask[:1]
-    ours = _probe(_kernels_op, q[:1], k[:1], v[:1], scale, p, h, mask)
-    theirs = _probe(lambda *args: _torch_backend(*args, False), q[:1], k[:1], v[:1], scale, p,
-                    h, mask)
-    errors = {name: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-              for name, a, b in zip(('out', 'q', 'k', 'v', 'scale'), ours, theirs)}
-    if max(errors.values()) <= AGREE_TOL[q.dtype]:
-        _AGREED.add(key)
-        return True
-    found = ', '.join(f'{name} {err:.1e}' for name, err in errors.items())
-    _leave_for_torch(f"the 'triton' attention kernels disagree with the 'torch' backend on "
-                     f'{q.device} ({q.dtype}, head width {key[2]}, {h} heads): relative '
-                     f'errors {found}, allowed {AGREE_TOL[q.dtype]:.0e}; please report it with '
-                     'your GPU, driver and triton versions')
-    return False
+    return agrees_once(key, lambda *t: _kernels_op(*t, p, h, mask),
+                       lambda *t: _torch_backend(*t, p, h, mask, False),
+                       (q[:1], k[:1], v[:1], scale), ('out', 'q', 'k', 'v', 'scale'),
+                       'attention kernels', f'head width {key[3]}, {h} heads')
 
 
-def _fall_back_on_first_failure(err: Exception) -> bool:
-    """Under ``'auto'``, in eager mode, when the kernels fail on their first
-    call (a Triton or driver that cannot build them): warn once, leave this
-    backend for the torch backend in this process, and return True. A forced
-    ``'triton'``, a failure after a successful call or one inside a compiled
-    graph is the caller's error (False)."""
-    if get_backend() != 'auto' or _KERNELS.get('ran') or torch.compiler.is_compiling() \
+def fall_back_on_first_failure(err: Exception, ran: bool, what: str) -> bool:
+    """Under ``'auto'``, in eager mode, when the kernels of ``what`` fail on their
+    first call (a Triton or driver that cannot build them; ``ran``: they have
+    run before): warn once, leave this backend for the torch backend in this
+    process, and return True. A forced ``'triton'``, a failure after a successful
+    call or one inside a compiled graph is the caller's error (False)."""
+    if get_backend() != 'auto' or ran or torch.compiler.is_compiling() \
             or isinstance(err, (torch.OutOfMemoryError, ValueError)):
         return False  # not a kernel that cannot be built: the caller's error
-    _leave_for_torch(f"the 'triton' attention backend failed on its first call ({err!r})")
+    _leave_for_torch(f"the 'triton' {what} failed on its first call ({err!r})")
     return True
 
 

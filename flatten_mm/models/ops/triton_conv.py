@@ -1,0 +1,149 @@
+"""The ``'triton'`` form of the attention output's local term: ``out + DWC(V)``
+(the layer's depth-wise conv, with CSwin's LePE folded in) as one fused
+Triton kernel, and its backward, as ``torch.library`` custom ops.
+
+Why a kernel of its own: on CUDA the plain path is a conv on a (B, C, H, W)
+view of V (cuDNN's depth-wise kernels, or PyTorch's generic one), written
+out, then read again by the in-place add into the attention output. The
+kernel reads V's token rows where they are, sums the K x K taps in fp32, adds
+the bias and the attention output, and writes the sum once (rounded once):
+per element one read of V and out and one write, instead of a conv's write
+and an add's three passes. Swin's windows (7 x 7 grids, thousands per batch)
+are rows of one sweep, not thousands of tiny images.
+
+Backward: out's gradient passes through; V's is the same kernel with the
+kernel rotated by 180 degrees (no bias, no addend); the weight and bias
+gradients are one sweep over the rows that reads each block of the output
+gradient once for all K x K taps, in chunks whose fp32 partials torch adds.
+
+:func:`.conv.depthwise_conv_add` takes this form under the ``'triton'`` backend,
+and under ``'auto'`` for CUDA tensors, each first configuration checked against
+the PyTorch path as the attention kernels are (:func:`.triton_backend.agrees_once`).
+"""
+from types import ModuleType
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .conv import register_fused_conv_add, torch_conv_add
+from .triton_backend import (AVAILABLE, DTYPES, agrees_once, check_runnable,
+                             fall_back_on_first_failure, importable)
+
+_KERNELS = {}
+
+
+def kernels() -> ModuleType:
+    """The kernels module, imported on first use (see :mod:`.triton_backend`)."""
+    if 'module' not in _KERNELS:
+        from . import triton_conv_kernels
+        _KERNELS['module'] = triton_conv_kernels
+    return _KERNELS['module']
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x with unit channel stride (the kernels take any batch and token strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _add_impl(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int) -> Tensor:
+    check_runnable(x)
+    return kernels().conv_add(_rows(x), weight.contiguous(), bias.contiguous(), _rows(out),
+                              (H, W))
+
+
+def _add_fake(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int) -> Tensor:
+    return out.new_empty(out.shape)
+
+
+def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int
+                   ) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of x, weight and bias."""
+    check_runnable(x)
+    ks, grad, x = kernels(), _rows(grad), _rows(x)
+    grad_x = ks.conv_add(grad, weight.contiguous(), None, None, (H, W), flip=True,
+                         dtype=x.dtype)
+    grad_w, grad_b = ks.weight_grad(grad, x, weight.shape[-1], (H, W))
+    return grad_x, grad_w.to(weight.dtype), grad_b.to(bias.dtype)
+
+
+def _backward_fake(grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int
+                   ) -> Tuple[Tensor, Tensor, Tensor]:
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    _, x, weight, bias, H, W = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.hw = H, W
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple:
+    """out's gradient is the output's; the rest from the backward op."""
+    x, weight, bias = ctx.saved_tensors
+    grads = torch.ops.flatten_mm.triton_conv_add_backward(grad, x, weight, bias, *ctx.hw)
+    return (grad, ) + tuple(grads) + (None, None)
+
+
+def _register_ops() -> None:
+    """flatten_mm::triton_conv_add and ::triton_conv_add_backward, with fake
+    implementations: one opaque op each for compilers and export."""
+    fwd = torch.library.custom_op('flatten_mm::triton_conv_add', mutates_args=())(_add_impl)
+    fwd.register_fake(_add_fake)
+    bwd = torch.library.custom_op('flatten_mm::triton_conv_add_backward',
+                                  mutates_args=())(_backward_impl)
+    bwd.register_fake(_backward_fake)
+    fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_conv_call(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
+                    bias: Optional[Tensor]) -> None:
+    """ValueError naming the value unless out and x are (B, H*W, C) of one
+    supported dtype, weight (C, 1, K, K) with K odd and bias (C,)."""
+    if x.dim() != 3 or out.shape != x.shape or x.shape[1] != hw[0] * hw[1]:
+        raise ValueError(f'out and x must both be (B, H*W, C) with (H, W) = {tuple(hw)}, got '
+                         f'out {tuple(out.shape)}, x {tuple(x.shape)}')
+    C = x.shape[-1]
+    K = weight.shape[-1]
+    if weight.shape != (C, 1, K, K) or K % 2 == 0:
+        raise ValueError(f'weight must be (C, 1, K, K) with C={C} and K odd, got '
+                         f'{tuple(weight.shape)}')
+    if bias is None or bias.shape != (C, ):
+        raise ValueError(f"the 'triton' depth-wise conv needs a bias of shape ({C},), got "
+                         f'{None if bias is None else tuple(bias.shape)}')
+    if x.dtype not in DTYPES or out.dtype != x.dtype:
+        raise ValueError(f"the 'triton' depth-wise conv takes out and x of one dtype in "
+                         f'{DTYPES}, got out {out.dtype}, x {x.dtype}')
+
+
+def triton_conv_add(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
+                    bias: Optional[Tensor]) -> Tensor:
+    """``out + DWC(x)`` by the fused op (:func:`.conv.depthwise_conv_add`'s signature)."""
+    check_conv_call(out, x, hw, weight, bias)
+    try:
+        result = torch.ops.flatten_mm.triton_conv_add(out, x, weight, bias, int(hw[0]),
+                                                      int(hw[1]))
+    except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
+        if not fall_back_on_first_failure(err, _KERNELS.get('ran', False),
+                                          'depth-wise conv kernel'):
+            raise
+        return torch_conv_add(out, x, hw, weight, bias)
+    _KERNELS['ran'] = True
+    if not agrees_once(('conv', x.device, x.dtype, weight.shape[-1]),
+                       lambda *t: torch.ops.flatten_mm.triton_conv_add(*t, *hw),
+                       lambda *t: torch_conv_add(*t[:2], hw, *t[2:], inplace=False),
+                       (out[:1], x[:1], weight, bias), ('result', 'out', 'x', 'weight', 'bias'),
+                       'depth-wise conv kernels', f'{weight.shape[-1]}x{weight.shape[-1]}'):
+        return torch_conv_add(out, x, hw, weight, bias)
+    return result
+
+
+def supports(out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """``'auto'`` takes the fused op for CUDA tokens of one supported dtype with a bias."""
+    return (x.device.type == 'cuda' and x.dim() == 3 and x.dtype in DTYPES and
+            out.dtype == x.dtype and bias is not None and importable())
+
+
+if AVAILABLE:
+    _register_ops()
+    register_fused_conv_add('triton', triton_conv_add, supports)

@@ -1,0 +1,167 @@
+"""Triton kernels of the depth-wise conv of V added to the attention output
+(design: :mod:`.triton_conv`).
+
+Tensors are token rows (B, L, C) on an H x W grid (L = H * W, row-major), with
+unit channel stride and any batch and token strides: V as the layer holds it
+(a channels-last map is the same memory), no NCHW copy. The conv is the
+layer's: odd K x K taps per channel, zero padding K // 2, stride 1.
+
+Imported on the first call, like :mod:`.triton_kernels` (whose interpreter
+switch, multiprocessor count and warps it shares).
+"""
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .triton_kernels import INTERPRETED, sm_count
+
+
+@triton.jit
+def _tap(x_ptr, b, y, xw, rmask, chans, cmask, dy, dx, H, W, stride_b, stride_n):
+    """fp32 (rows, channels) block of x at each row's grid point shifted by
+    (dy, dx); 0 where the shifted point is off the grid (the zero padding)."""
+    yy = y + dy
+    xx = xw + dx
+    ok = rmask & (yy >= 0) & (yy < H) & (xx >= 0) & (xx < W)
+    offs = b.to(tl.int64) * stride_b + (yy * W + xx).to(tl.int64) * stride_n
+    ptrs = x_ptr + offs[:, None] + chans[None, :]
+    return tl.load(ptrs, mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_program(R, L, W, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, block):
+    """Rows ``block`` * BLOCK_P ... of the B * L token rows (images back to back,
+    so many small windows share a program), with image, grid point and masks,
+    and program_id(1)'s channel block."""
+    rows = block * BLOCK_P + tl.arange(0, BLOCK_P)
+    rmask = rows < R
+    b = rows // L
+    pix = rows % L
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return rmask, b, pix, pix // W, pix % W, chans, chans < C
+
+
+@triton.jit
+def _conv_add_kernel(x_ptr, w_ptr, bias_ptr, base_ptr, out_ptr, R, L, H, W, C,
+                     stride_xb, stride_xn, stride_bb, stride_bn, stride_ob, stride_on,
+                     K: tl.constexpr, FLIP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_BASE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out = base + bias + conv(x) for a block of rows and channels, summed in
+    fp32 and rounded once. FLIP takes the kernel rotated by 180 degrees: the
+    conv's input gradient is the flipped conv of the output gradient."""
+    rmask, b, pix, y, xw, chans, cmask = _rows_program(R, L, W, C, BLOCK_P, BLOCK_C,
+                                                       tl.program_id(0))
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    for t in range(K * K):  # a loop, not unrolled: one tap's block live at a time
+        i = t // K
+        j = t % K
+        tap = K * K - 1 - t if FLIP else t
+        w = tl.load(w_ptr + chans * (K * K) + tap, mask=cmask, other=0.0).to(tl.float32)
+        x = _tap(x_ptr, b, y, xw, rmask, chans, cmask, i - K // 2, j - K // 2, H, W,
+                 stride_xb, stride_xn)
+        acc += x * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + chans, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    if HAS_BASE:
+        base = base_ptr + (b.to(tl.int64) * stride_bb + pix.to(tl.int64) * stride_bn)[:, None]
+        acc += tl.load(base + chans[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = out_ptr + (b.to(tl.int64) * stride_ob + pix.to(tl.int64) * stride_on)[:, None]
+    tl.store(out + chans[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_weight_grad_kernel(g_ptr, x_ptr, part_ptr, R, L, H, W, C, stride_gb, stride_gn,
+                             stride_xb, stride_xn, blocks_per_prog, K: tl.constexpr,
+                             TAPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Partial weight and bias gradients of one chunk of rows: row t < K * K of
+    the (TAPS, BLOCK_C) fp32 accumulator sums g * x shifted by tap t, row K * K
+    sums g (the bias). Each block of g is read once for all taps."""
+    chunk = tl.program_id(0)
+    taps = tl.arange(0, TAPS)
+    acc = tl.zeros((TAPS, BLOCK_C), dtype=tl.float32)
+    for blk in range(blocks_per_prog):
+        rmask, b, pix, y, xw, chans, cmask = _rows_program(
+            R, L, W, C, BLOCK_P, BLOCK_C, chunk * blocks_per_prog + blk)
+        g = _tap(g_ptr, b, y, xw, rmask, chans, cmask, 0, 0, H, W, stride_gb, stride_gn)
+        for t in range(K * K):  # a loop, not unrolled (see _conv_add_kernel)
+            x = _tap(x_ptr, b, y, xw, rmask, chans, cmask, t // K - K // 2, t % K - K // 2, H,
+                     W, stride_xb, stride_xn)
+            s = tl.sum(g * x, axis=0)
+            acc = tl.where(taps[:, None] == t, acc + s[None, :], acc)
+        acc = tl.where(taps[:, None] == K * K, acc + tl.sum(g, axis=0)[None, :], acc)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ptrs = part_ptr + chunk * (K * K + 1) * C + taps[:, None] * C + chans[None, :]
+    tl.store(ptrs, acc, mask=(taps <= K * K)[:, None] & (chans < C)[None, :])
+
+
+# ---------------------------------------------------------------- launchers
+
+# Eight warps for a (64, <= 64) block, the taps looped: 38-80 registers on sm_90, no
+# spill (kernel_resources.py). With all 25 taps unrolled, their loads were hoisted
+# and spilled kilobytes; at 128 rows and four warps they took up to 235 registers.
+NUM_WARPS = 8
+
+
+class ConvPlan(NamedTuple):
+    """Rows and channels per program, and blocks per program and chunks of the
+    weight-gradient sweep."""
+    block_p: int
+    block_c: int
+    blocks_per_prog: int
+    chunks: int
+
+
+def conv_plan(rows: int, C: int, sms: int = 132) -> ConvPlan:
+    """Blocks of 64 rows by up to 64 channels (C = 96 takes three blocks of 32,
+    no padded lanes); the weight gradient in chunks that about fill the GPU (a
+    few programs per multiprocessor), whose partials torch adds. Under the
+    interpreter 16 rows, 16 channels and two blocks per chunk, so the tests'
+    small shapes cross every border."""
+    if INTERPRETED:
+        block_p, block_c, per = 16, 16, 2
+    else:
+        block_p = 64
+        block_c = 64 if C % 64 == 0 or C > 96 else 32 if C % 32 == 0 else \
+            min(64, triton.next_power_of_2(C))
+        blocks = triton.cdiv(rows, block_p)
+        per = max(1, triton.cdiv(blocks, max(1, 4 * sms // triton.cdiv(C, block_c))))
+    return ConvPlan(block_p, block_c, per, triton.cdiv(triton.cdiv(rows, block_p), per))
+
+
+def conv_add(x: Tensor, weight: Tensor, bias: Optional[Tensor], base: Optional[Tensor],
+             hw: Tuple[int, int], flip: bool = False,
+             dtype: Optional[torch.dtype] = None) -> Tensor:
+    """(B, L, C) ``base + conv(x) + bias`` (each term optional but x) in ``dtype``
+    (base's, else x's); ``flip`` rotates the kernel (the input gradient)."""
+    B, L, C = x.shape
+    K = weight.shape[-1]
+    out = torch.empty((B, L, C), dtype=dtype or (base if base is not None else x).dtype,
+                      device=x.device)
+    pl = conv_plan(B * L, C, sm_count(x.device))
+    b_ = base if base is not None else out
+    grid = (triton.cdiv(B * L, pl.block_p), triton.cdiv(C, pl.block_c))
+    _conv_add_kernel[grid](
+        x, weight, bias if bias is not None else weight, b_, out, B * L, L, hw[0], hw[1], C,
+        x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), out.stride(0), out.stride(1),
+        K=K, FLIP=flip, HAS_BIAS=bias is not None, HAS_BASE=base is not None,
+        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS)
+    return out
+
+
+def weight_grad(g: Tensor, x: Tensor, K: int, hw: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
+    """fp32 gradients of a (C, 1, K, K) weight and a (C,) bias, given the output
+    gradient g and the input x, both (B, L, C)."""
+    B, L, C = x.shape
+    pl = conv_plan(B * L, C, sm_count(x.device))
+    part = torch.empty((pl.chunks, K * K + 1, C), dtype=torch.float32, device=x.device)
+    _conv_weight_grad_kernel[(pl.chunks, triton.cdiv(C, pl.block_c))](
+        g, x, part, B * L, L, hw[0], hw[1], C, g.stride(0), g.stride(1), x.stride(0),
+        x.stride(1), pl.blocks_per_prog, K=K, TAPS=triton.next_power_of_2(K * K + 1),
+        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS)
+    total = part.sum(0)  # the chunks' partials added here: deterministic, unlike atomics
+    # each its own memory: the op's outputs alias nothing and start at offset 0
+    return total[:K * K].t().contiguous().view(C, 1, K, K), total[K * K].clone()

@@ -1,0 +1,217 @@
+"""The fused ``out + DWC(V)`` of the 'triton' backend against PyTorch's conv.
+
+Without CUDA the kernels run under Triton's CPU interpreter (conftest.py), which
+tiles by 16 rows and 16 channels, two row blocks per weight-gradient chunk, so
+the small shapes below cross row, channel, image and chunk borders. Errors are
+``||x - ref||_F / ||ref||_F``, the reference in float64 on the same (rounded)
+inputs.
+
+Tolerances: the kernel sums the K x K taps in fp32 and rounds each result once
+to the tensor's dtype, so fp32 is held to 1e-5 and half precision to about
+two units of its roundoff (fp16 2^-11, bf16 2^-8): 1e-3 and 8e-3. The weight
+and bias gradients are fp32 sums whatever the inputs: 1e-5.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flatten_mm.models import FocusedLinearAttention
+from flatten_mm.models.ops import depthwise_conv_add, use_backend
+from flatten_mm.models.ops import triton_backend as tb
+from flatten_mm.models.ops import triton_conv as tc
+
+pytestmark = pytest.mark.skipif(not tb.AVAILABLE, reason='triton does not import')
+
+DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+NAMES = ('result', 'out', 'x', 'weight', 'bias')
+
+
+def reference(out, x, hw, weight, bias):
+    """The formula: NCHW conv in the inputs' dtype (float64 for the reference)."""
+    B, L, C = x.shape
+    x_map = x.transpose(1, 2).reshape(B, C, *hw)
+    local = F.conv2d(x_map, weight, bias, padding=weight.shape[-1] // 2, groups=C)
+    return out + local.flatten(2).transpose(1, 2)
+
+
+def grads(fn, tensors, g):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    result = fn(*leaves)
+    return [result] + list(torch.autograd.grad(result, leaves, g.to(result.dtype)))  # g rounded
+
+
+def make(B, hw, C, K, dtype, device=DEVICE):
+    L = hw[0] * hw[1]
+    # x a strided view (the value half of one projection), as a layer's v may be
+    x = torch.randn(B, L, 2 * C, device=device).to(dtype)[..., C:]
+    out = torch.randn(B, L, C, device=device).to(dtype)
+    weight = torch.randn(C, 1, K, K, device=device) / K
+    bias = torch.randn(C, device=device)
+    return out, x, weight, bias, torch.randn(B, L, C, device=device).to(dtype)
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize('B,hw,C,K,dtype', [
+    (2, (5, 7), 24, 5, torch.float32),  # odd grid, channels across two blocks of 16
+    (6, (7, 7), 32, 5, torch.float32),  # Swin windows: images share row blocks
+    (1, (9, 4), 16, 3, torch.float32),  # LePE's 3 x 3, one image
+    (2, (3, 3), 16, 7, torch.float32),  # a kernel wider than the grid
+    (1, (1, 1), 16, 5, torch.float32),  # one token
+    (2, (6, 5), 24, 5, torch.float16),
+    (2, (6, 5), 24, 5, torch.bfloat16),
+])
+def test_matches_conv2d(B, hw, C, K, dtype):
+    out, x, weight, bias, g = make(B, hw, C, K, dtype)
+    with use_backend('triton'):
+        got = grads(lambda *t: depthwise_conv_add(t[0], t[1], hw, t[2], t[3]),
+                    (out, x, weight, bias), g)
+    ref = grads(lambda *t: reference(t[0], t[1], hw, t[2], t[3]),
+                [t.double() for t in (out, x, weight, bias)], g)
+    assert got[0].dtype == dtype and got[2].dtype == dtype and got[3].dtype == torch.float32
+    for name, a, r in zip(NAMES, got, ref):
+        assert a.shape == r.shape, name
+        tol = TOL[torch.float32] if name in ('weight', 'bias') else TOL[dtype]
+        assert rel_err(a, r) < tol, f'{name}: {rel_err(a, r):.2e}'
+
+
+def test_torch_path_in_place_and_choice(monkeypatch):
+    """'torch' adds in place into out (as before the fused form); 'auto' keeps
+    CPU tensors there and takes the fused op where it supports the call."""
+    out, x, weight, bias, _ = make(2, (5, 7), 24, 5, torch.float32)
+    want = reference(out, x, (5, 7), weight, bias)
+    for name in ('torch', 'auto'):
+        o = out.clone()
+        with use_backend(name):
+            got = depthwise_conv_add(o, x, (5, 7), weight, bias)
+        assert got is o and torch.allclose(got, want, atol=1e-5)
+    monkeypatch.setattr(tc, 'supports', lambda *a: True)
+    monkeypatch.setitem(__import__('flatten_mm.models.ops.conv', fromlist=['_FUSED'])._FUSED,
+                        'triton', (tc.triton_conv_add, lambda *a: True))
+    with use_backend('auto'):
+        got = depthwise_conv_add(out, x, (5, 7), weight, bias)
+    assert got is not out and torch.allclose(got, want, atol=1e-5)
+
+
+def test_clear_errors():
+    out, x, weight, bias, _ = make(1, (4, 4), 16, 5, torch.float32)
+    with use_backend('triton'):
+        with pytest.raises(ValueError, match=r'\(H, W\) = \(4, 5\)'):
+            depthwise_conv_add(out, x, (4, 5), weight, bias)
+        with pytest.raises(ValueError, match=r'K odd, got \(16, 1, 4, 4\)'):
+            depthwise_conv_add(out, x, (4, 4), weight[..., :4, :4], bias)
+        with pytest.raises(ValueError, match=r'bias of shape \(16,\), got None'):
+            depthwise_conv_add(out, x, (4, 4), weight, None)
+        with pytest.raises(ValueError, match='got out torch.float64'):
+            depthwise_conv_add(out.double(), x, (4, 4), weight, bias)
+
+
+@pytest.mark.parametrize('kwargs,hw,masked', [
+    (dict(embed_dims=64, num_heads=2), (7, 7), True),  # a Swin window layer, padded keys
+    (dict(embed_dims=32, num_heads=1, sr_ratio=2), (5, 7), False),  # PVT: V resized
+    (dict(embed_dims=64, num_heads=2, lepe=True), (6, 5), False),  # CSwin: DWC + LePE
+    (dict(embed_dims=32, num_heads=2, num_prefix_tokens=1), (4, 4), False),  # DeiT: in place
+])
+def test_layer_same_under_both_backends(kwargs, hw, masked):
+    """The whole layer in training mode, output and every parameter's gradient:
+    'triton' (attention and the fused local term) equals 'torch'."""
+    layer = FocusedLinearAttention(**kwargs).to(DEVICE)
+    P = layer.num_prefix_tokens
+    x = torch.randn(3, P + hw[0] * hw[1], layer.embed_dims, device=DEVICE)
+    mask = None
+    if masked:
+        mask = torch.ones(3, x.shape[1], dtype=torch.bool, device=DEVICE)
+        mask[0, -9:] = False
+    results = []
+    for name in ('torch', 'triton'):
+        layer.zero_grad()
+        with use_backend(name):
+            y = layer(x, hw, mask)
+        y.backward(torch.cos(torch.arange(y.numel(), device=DEVICE)).view_as(y))
+        results.append([y.detach()] + [p.grad.clone() for p in layer.parameters()])
+    for (name, _), a, b in zip([('out', None)] + list(layer.named_parameters()), *results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_opcheck():
+    """Schema, fake implementation, autograd registration and AOT dispatch of both ops."""
+    out, x, weight, bias, g = make(2, (5, 3), 16, 3, torch.float32)
+    args = [out.requires_grad_(), x.requires_grad_(), weight.requires_grad_(),
+            bias.requires_grad_(), 5, 3]
+    torch.library.opcheck(torch.ops.flatten_mm.triton_conv_add.default, args)
+    torch.library.opcheck(torch.ops.flatten_mm.triton_conv_add_backward.default,
+                          [g, x.detach(), weight.detach(), bias.detach(), 5, 3])
+
+
+def test_compile_fullgraph_one_op_each():
+    """torch.compile(fullgraph=True) of the layer's local term sees the forward op,
+    and AOT autograd's backward graph the backward op; results equal eager."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def record(gm, _):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == 'call_function'})
+        return make_boxed_func(gm.forward)
+
+    def f(out, x, weight, bias):
+        return depthwise_conv_add(out * 2, x, (5, 7), weight, bias)
+
+    tensors = make(2, (5, 7), 24, 5, torch.float32)
+    torch._dynamo.reset()
+    with use_backend('triton'):
+        compiled = torch.compile(f, fullgraph=True,
+                                 backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        got = grads(compiled, tensors[:4], tensors[4])
+        want = grads(f, tensors[:4], tensors[4])
+    assert any('flatten_mm.triton_conv_add.default' in s for s in graphs)
+    assert any('flatten_mm.triton_conv_add_backward.default' in s for s in graphs)
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
+    """Under 'auto' the first call of a configuration is checked against PyTorch's
+    conv (once); a kernel that computes wrong warns with the errors, returns
+    PyTorch's result, and the process leaves the 'triton' backend."""
+    monkeypatch.setattr(tb, 'get_backend', lambda: 'auto')
+    monkeypatch.setattr(tb, '_AGREED', set())
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    out, x, weight, bias, _ = make(2, (5, 7), 24, 5, torch.float32)
+    want = reference(out, x, (5, 7), weight, bias)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        got = tc.triton_conv_add(out, x, (5, 7), weight, bias)
+        tc.triton_conv_add(out, x, (5, 7), weight, bias)
+    assert tb._AGREED == {('conv', x.device, torch.float32, 5)}
+    assert torch.allclose(got, want, atol=1e-5)
+    kernels = tc.kernels()
+    real = kernels.conv_add
+    monkeypatch.setattr(kernels, 'conv_add', lambda *a, **kw: real(*a, **kw) * 1.5)
+    with pytest.warns(RuntimeWarning, match=r'depth-wise conv kernels disagree .*3x3.* result'):
+        got = tc.triton_conv_add(out.clone(), x, (5, 7), weight[..., 1:4, 1:4], bias)
+    assert torch.allclose(got, reference(out, x, (5, 7), weight[..., 1:4, 1:4], bias),
+                          atol=1e-5) and not tb._KERNELS['importable']
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('B,hw,C,dtype', [
+    (8, (200, 334), 64, torch.bfloat16),  # PVT-T stage 1 at 800 x 1333
+    (1392, (7, 7), 96, torch.bfloat16),  # Swin-T stage-1 windows, one image
+    (2, (100, 167), 128, torch.float32),
+])
+def test_cuda_real_sizes(B, hw, C, dtype):
+    """GPU tiling (128 rows, 32-64 channels, chunked weight gradient) at real sizes."""
+    out, x, weight, bias, g = make(B, hw, C, 5, dtype)
+    with use_backend('triton'):
+        got = grads(lambda *t: depthwise_conv_add(t[0], t[1], hw, t[2], t[3]),
+                    (out, x, weight, bias), g)
+    ref = grads(lambda *t: reference(t[0], t[1], hw, t[2], t[3]),
+                [t.double() for t in (out, x, weight, bias)], g)
+    for name, a, r in zip(NAMES, got, ref):
+        tol = 1e-4 if name in ('weight', 'bias') else TOL[dtype]
+        assert rel_err(a, r) < tol, f'{name}: {rel_err(a, r):.2e}'
