@@ -82,6 +82,15 @@ def depthwise_conv_flops(inputs, outputs) -> Counter:
     return Counter({'conv': B * C * H * W * k * k})
 
 
+def triton_conv_add_flops(inputs, outputs) -> Counter:
+    """mmengine FLOP handle for the ``flatten_mm::triton_conv_add`` op (out +
+    DWC(x), arguments out, x, weight, bias, H, W): the conv's count, as
+    :func:`depthwise_conv_flops` (the add is element-wise, not counted)."""
+    B, L, C = _shape(inputs[1])
+    k = _shape(inputs[2])[-1]
+    return Counter({'conv': B * L * C * k * k})
+
+
 def sdpa_flops(inputs, outputs) -> Counter:
     """mmengine FLOP handle for ``F.scaled_dot_product_attention`` (which it
     does not count): Q K^T and the weighted sum of V."""
@@ -97,6 +106,7 @@ FLOP_HANDLES: Dict[str, Callable] = {
     'prim::PythonOp.FocusedLinearAttentionFn': focused_linear_attention_flops,
     'flatten_mm::triton_attention': triton_attention_flops,
     'prim::PythonOp.DepthwiseConvFn': depthwise_conv_flops,
+    'flatten_mm::triton_conv_add': triton_conv_add_flops,
 }
 
 

@@ -46,8 +46,9 @@ def test_spatial_reduction_counts_the_reduced_keys():
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')
 @pytest.mark.skipif('triton' not in available_backends(), reason='needs triton')
 def test_triton_backend_counts_as_the_torch_backend():
-    """The triton backend's custom op has its own handle: a model counts the
-    same FLOPs whichever backend runs its attention (under the interpreter here)."""
+    """The triton backend's custom ops (attention, and out + DWC(V)) have their
+    own handles: a model counts the same FLOPs whichever backend runs its
+    attention (under the interpreter here)."""
     C, h, H, W, r = 32, 2, 6, 10, 2
     m = FocusedLinearAttention(C, h, sr_ratio=r, pos_grid=(H // r, W // r)).eval()
     x = torch.randn(2, H * W, C)
@@ -58,6 +59,8 @@ def test_triton_backend_counts_as_the_torch_backend():
     N, n, d = H * W, (H // r) * (W // r), C // h
     assert counts['triton']['focused_linear_attention'] == 2 * h * (
         n * d * d + n * d + N * d + N * d * d)
+    # the 5 x 5 DWC of V on the query grid, and the key reduction's r x r conv
+    assert counts['triton']['conv'] == 2 * N * C * 5 * 5 + 2 * n * C * C * r * r
     assert counts['triton'] == counts['torch']
 
 
