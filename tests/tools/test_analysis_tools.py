@@ -263,6 +263,50 @@ def test_benchmark_backbone_times_timm_classifiers_against_timm_softmax(tmp_path
         tool.main(['--models', 'timm:no_such_model'])
 
 
+RELEASE_STAND_IN = """
+import json
+import os
+
+import torch
+
+
+def flatten_pvt_tiny(**kwargs):
+    with open(os.environ['RELEASE_ARGS'], 'w') as f:
+        json.dump(kwargs, f)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, 4), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(8, 1000))
+"""
+
+
+def test_benchmark_backbone_times_the_authors_release(tmp_path, monkeypatch):
+    """release:NAME: the authors' classifier from a checkout of their repository (a
+    stand-in with its layout here, whose builder records its arguments), built with
+    the arguments of their cfgs and compared with ours (their time over ours)."""
+    tool = load_tool('benchmark_backbone')
+    models = tmp_path / 'release' / 'models'
+    models.mkdir(parents=True)
+    (models / '__init__.py').write_text('')
+    (models / 'flatten_pvt.py').write_text(RELEASE_STAND_IN)
+    monkeypatch.setenv('RELEASE_ARGS', str(tmp_path / 'args.json'))
+    rows = tool.main(['--models', 'release:flatten_pvt_tiny', 'timm:flatten_pvt_tiny',
+                      '--release-dir', str(tmp_path / 'release'), '--sizes', '64',
+                      '--modes', 'fwd', '--rounds', '1', '--iters', '1', '--threads', '1',
+                      '--out-dir', str(tmp_path / 'out')])
+    row = {r['model']: r for r in rows}['release:flatten_pvt_tiny']
+    assert row['status'] == 'ok' and row['baseline'] == 'timm:flatten_pvt_tiny'
+    assert row['time_ratio'] > 0
+    # the release's cfgs/flatten_pvt_t.yaml: linear attention in every stage, unreduced keys
+    assert json.loads((tmp_path / 'args.json').read_text()) == dict(
+        focusing_factor=3, kernel_size=5, drop_path_rate=0.1, attn_type='LLLL',
+        la_sr_ratios='1111')
+    for argv in (['--models', 'release:flatten_pvt_tiny'],  # no checkout given
+                 ['--models', 'release:flatten_swin_tiny', '--release-dir',
+                  str(tmp_path / 'release')],  # the checkout lacks models/flatten_swin.py
+                 ['--models', 'release:flatten_deit_tiny']):  # not released
+        with pytest.raises(SystemExit):
+            tool.main(argv)
+
+
 def test_check_compile_counts_graphs_and_compares_with_eager(tmp_path):
     """Two sizes, then the first again: two graphs, no break, and the compiled
     outputs and gradients equal eager's (aot_eager: dynamo's tracing and AOT

@@ -38,6 +38,12 @@ versions of the code side by side.
 flatten_mm) at its input size (``--sizes 224`` for most): ``timm:flatten_X`` is compared
 with timm's softmax counterpart in ``TIMM_BASELINES`` (Swin, PVTv2, DeiT), and
 the table's images/s is the throughput (``--batch`` over the median step).
+``release:NAME`` is the authors' classifier NAME (``RELEASE``: ``flatten_pvt_tiny``,
+``flatten_pvt_v2_b1``, ``flatten_swin_tiny``, ``flatten_cswin_tiny``) from a
+checkout of their FLatten-Transformer repository (``--release-dir``; it needs
+timm and einops), built with the arguments of its ``cfgs/*.yaml`` as its
+``build_model`` passes them, and compared with ours (``timm:NAME``) when both
+are timed: its ratio is the release's time over ours.
 ``--compile [BACKEND]`` runs every model through ``torch.compile`` (default
 settings, Inductor unless BACKEND is given); the ``--warmup`` steps compile
 (at least one is needed).
@@ -52,7 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +78,41 @@ TIMM_BASELINES = dict(
     flatten_deit_tiny='deit_tiny_patch16_224', flatten_deit_small='deit_small_patch16_224',
     flatten_deit_base='deit_base_patch16_224',
     **{f'flatten_pvt_v2_b{i}': f'pvt_v2_b{i}' for i in range(6)})
+
+
+# the authors' classifiers: (module of their models/, builder, the arguments their
+# build_model passes from cfgs/<name>.yaml and config.py's defaults)
+_LA = dict(focusing_factor=3, kernel_size=5)
+_PVT = dict(_LA, drop_path_rate=0.1, attn_type='LLLL', la_sr_ratios='1111')
+RELEASE = dict(
+    flatten_pvt_tiny=('flatten_pvt', 'flatten_pvt_tiny', _PVT),
+    flatten_pvt_v2_b1=('flatten_pvt_v2', 'flatten_pvt_v2_b1', _PVT),
+    flatten_swin_tiny=('flatten_swin', 'FLattenSwinTransformer', dict(
+        _LA, img_size=224, patch_size=4, in_chans=3, num_classes=1000, embed_dim=96,
+        depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24], window_size=56, mlp_ratio=4.0,
+        qkv_bias=True, qk_scale=None, drop_rate=0.0, drop_path_rate=0.2, ape=False,
+        patch_norm=True, use_checkpoint=False, attn_type='LLSS')),
+    flatten_cswin_tiny=('flatten_cswin', 'FLatten_CSWin_64_24181_tiny_224', dict(
+        _LA, img_size=224, in_chans=3, num_classes=1000, drop_rate=0.0, drop_path_rate=0.2,
+        attn_type='LLSS', la_split_size='56-28-14-7')))
+
+
+def release_source(name: str, release_dir: Optional[str]) -> tuple:
+    """(module, builder, arguments) of ``release:NAME``; ValueError unless
+    ``release_dir`` holds the module."""
+    module, builder, kwargs = RELEASE[name[len('release:'):]]
+    if not release_dir or not (Path(release_dir) / 'models' / f'{module}.py').is_file():
+        raise ValueError(f"{name} needs --release-dir, a checkout of the authors' "
+                         f'FLatten-Transformer with models/{module}.py; got {release_dir!r}')
+    return module, builder, kwargs
+
+
+def build_release(name: str, release_dir: Optional[str]):
+    """The authors' classifier ``release:NAME`` from their checkout (``RELEASE``)."""
+    import importlib
+    module, builder, kwargs = release_source(name, release_dir)
+    sys.path.insert(0, release_dir)  # their models package
+    return getattr(importlib.import_module(f'models.{module}'), builder)(**kwargs)
 
 
 def timm_names() -> list:
@@ -99,6 +140,8 @@ def baseline_of(name: str):
     """``flatten-X`` (or ``flatten-X@reference``, ``flatten-X@rev``) is compared
     with ``X``; but ``flatten-X`` with ``flatten-X@rev`` when both are timed."""
     base = name.split('@')[0]
+    if base.startswith('release:'):  # the authors' against ours
+        return 'timm:' + base[len('release:'):]
     if base.startswith('timm:'):
         theirs = TIMM_BASELINES.get(base[len('timm:'):])
         return theirs and 'timm:' + theirs
@@ -106,6 +149,11 @@ def baseline_of(name: str):
 
 
 def check_model_name(name: str) -> None:
+    if name.startswith('release:'):
+        if name[len('release:'):] not in RELEASE:
+            raise ValueError(f'unknown release model {name!r}; choose from '
+                             f'{["release:" + n for n in RELEASE]}')
+        return
     if name.startswith('timm:'):
         if name[len('timm:'):] not in timm_names():
             raise ValueError(f'unknown timm model {name[len("timm:"):]!r} in {name!r} '
@@ -132,9 +180,12 @@ def model_outputs(out) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def build_model(name: str):
-    """The backbone called ``name`` (see the module docstring)."""
+def build_model(name: str, release_dir: Optional[str] = None):
+    """The backbone called ``name`` (see the module docstring); ``release:`` models
+    from ``release_dir``."""
     check_model_name(name)
+    if name.startswith('release:'):
+        return build_release(name, release_dir)
     if name.startswith('timm:'):
         import timm
         return timm.create_model(name[len('timm:'):], pretrained=False)
@@ -199,7 +250,7 @@ class Case:
         self.device = torch.device(spec['device'])
         dtype = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[spec['dtype']]
         torch.manual_seed(0)
-        self.model = build_model(spec['model']).to(self.device)
+        self.model = build_model(spec['model'], spec.get('release_dir')).to(self.device)
         self.model.train(spec['mode'] == 'fwdbwd')
         if spec.get('compile'):  # compiled at the first (warm-up) step
             self.model = torch.compile(self.model, backend=spec['compile'])
@@ -517,6 +568,8 @@ def main(argv=None):
                         help='CPU: address-space limit per case (default: 80%% of RAM)')
     parser.add_argument('--out-dir', default='work_dirs/benchmark_backbone')
     parser.add_argument('--rev-dir', help='checkout of another flatten_mm version, for NAME@rev')
+    parser.add_argument('--release-dir',
+                        help="checkout of the authors' FLatten-Transformer, for release:NAME")
     parser.add_argument('--paired', action='store_true',
                         help='keep one worker per model alive and interleave single steps; '
                              'ratios are medians of step-by-step ratios (needs the memory '
@@ -529,6 +582,12 @@ def main(argv=None):
     if args.serve:
         return serve_worker(json.loads(args.serve))
     check_model_names(parser, args.models)
+    for name in args.models:
+        if name.startswith('release:'):
+            try:
+                release_source(name, args.release_dir)
+            except ValueError as err:
+                parser.error(str(err))
     if args.dtypes is None:
         args.dtypes = ['fp32']
         if args.device.startswith('cuda'):
@@ -542,7 +601,8 @@ def main(argv=None):
         parser.error('--compile needs --warmup >= 1 (the first step compiles)')
     common = dict(device=args.device, batch=args.batch, threads=args.threads,
                   warmup=args.warmup, compile=args.compile,
-                  rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()))
+                  rev_dir=args.rev_dir and str(Path(args.rev_dir).resolve()),
+                  release_dir=args.release_dir and str(Path(args.release_dir).resolve()))
     for size in args.sizes:
         for mode in args.modes:
             for dtype in args.dtypes:
