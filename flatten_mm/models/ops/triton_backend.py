@@ -194,7 +194,7 @@ def check_runnable(x: Tensor) -> None:
     """Raise unless the kernels can run on x's device: CUDA, or the interpreter."""
     if x.device.type != 'cuda' and not interpreted():
         raise RuntimeError(
-            f"the 'triton' attention backend runs on CUDA tensors, got a tensor on "
+            f"the 'triton' backend's kernels run on CUDA tensors, got a tensor on "
             f"{x.device.type!r}; on CPU it needs Triton's interpreter: set TRITON_INTERPRET=1 "
             f"before its first call")
 
@@ -283,13 +283,21 @@ def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Seque
     (relative norm). On a
     disagreement (a GPU, driver or Triton on which the kernels compute wrong) it
     warns with the errors, sends this process to the torch backend and returns
-    False: a wrong kernel is never silent. A forced ``'triton'`` is not checked,
+    False: a wrong kernel is never silent. So does a kernel that fails in the
+    check (a backward kernel is built there first). A forced ``'triton'`` is not checked,
     nor a call under ``torch.inference_mode`` (which allows no gradient)."""
     if get_backend() != 'auto' or torch.compiler.is_compiling() or \
             torch.is_inference_mode_enabled() or key in _AGREED:
         return True
+    try:
+        ours_out = _probe(ours, inputs)  # its backward's first build and run, too
+    except (torch.OutOfMemoryError, ValueError):
+        raise  # not a kernel that cannot be built: the caller's error
+    except Exception as err:  # noqa: BLE001 (a backward kernel that cannot be built)
+        _leave_for_torch(f"the 'triton' {what} failed on their first check ({err!r})")
+        return False
     errors = {name: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-              for name, a, b in zip(names, _probe(ours, inputs), _probe(theirs, inputs))}
+              for name, a, b in zip(names, ours_out, _probe(theirs, inputs))}
     tol = AGREE_TOL[inputs[1].dtype]
     if max(errors.values()) <= tol:
         _AGREED.add(key)
@@ -307,7 +315,8 @@ def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: floa
     """:func:`agrees_once` for the attention kernels: a configuration is the
     device, dtype, head width, one head or several, and whether a key mask is given."""
     key = ('attention', q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
-    if key in _AGREED or get_backend() != 'auto' or torch.compiler.is_compiling():
+    if key in _AGREED or get_backend() != 'auto' or torch.compiler.is_compiling() or \
+            torch.is_inference_mode_enabled():  # before the key count's sync
         return True
     keys = k.shape[1] if key_mask is None else int(key_mask[0].sum())  # one sync, until agreed
     if keys < 2:  # one key: q's and k's gradients are eps-sized noise, no test

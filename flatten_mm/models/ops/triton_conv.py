@@ -121,21 +121,32 @@ def triton_conv_add(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
     """``out + DWC(x)`` by the fused op (:func:`.conv.depthwise_conv_add`'s signature)."""
     check_conv_call(out, x, hw, weight, bias)
     try:
-        result = torch.ops.flatten_mm.triton_conv_add(out, x, weight, bias, int(hw[0]),
-                                                      int(hw[1]))
+        result = torch.ops.flatten_mm.triton_conv_add(out, x, weight, bias, hw[0], hw[1])
     except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
         if not fall_back_on_first_failure(err, _KERNELS.get('ran', False),
                                           'depth-wise conv kernel'):
             raise
         return torch_conv_add(out, x, hw, weight, bias)
     _KERNELS['ran'] = True
-    if not agrees_once(('conv', x.device, x.dtype, weight.shape[-1]),
-                       lambda *t: torch.ops.flatten_mm.triton_conv_add(*t, *hw),
-                       lambda *t: torch_conv_add(*t[:2], hw, *t[2:], inplace=False),
-                       (out[:1], x[:1], weight, bias), ('result', 'out', 'x', 'weight', 'bias'),
-                       'depth-wise conv kernels', f'{weight.shape[-1]}x{weight.shape[-1]}'):
+    if not _agrees_on_first_use(out, x, hw, weight, bias):
         return torch_conv_add(out, x, hw, weight, bias)
     return result
+
+
+def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
+                         bias: Tensor) -> bool:
+    """:func:`.triton_backend.agrees_once` for the fused conv: a configuration is
+    the device, the dtypes of x and the weight, K and C (which sets the channel
+    blocks); the probe takes enough images for a row block to span two of them
+    (Swin's 49-token windows), at least one."""
+    B, L, C = x.shape
+    K = weight.shape[-1]
+    n = min(B, -(-2 * kernels().conv_plan(1, C).block_p // L))
+    return agrees_once(('conv', x.device, x.dtype, weight.dtype, K, C),
+                       lambda *t: torch.ops.flatten_mm.triton_conv_add(*t, *hw),
+                       lambda *t: torch_conv_add(*t[:2], hw, *t[2:], inplace=False),
+                       (out[:n], x[:n], weight, bias), ('result', 'out', 'x', 'weight', 'bias'),
+                       'depth-wise conv kernels', f'{K}x{K}, C={C}')
 
 
 def supports(out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

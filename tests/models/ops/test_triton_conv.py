@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from flatten_mm.models import FocusedLinearAttention
 from flatten_mm.models.ops import depthwise_conv_add, use_backend
 from flatten_mm.models.ops import triton_backend as tb
+from flatten_mm.models.ops import conv as conv_module
 from flatten_mm.models.ops import triton_conv as tc
 
 pytestmark = pytest.mark.skipif(not tb.AVAILABLE, reason='triton does not import')
@@ -88,9 +89,10 @@ def test_torch_path_in_place_and_choice(monkeypatch):
         with use_backend(name):
             got = depthwise_conv_add(o, x, (5, 7), weight, bias)
         assert got is o and torch.allclose(got, want, atol=1e-5)
-    monkeypatch.setattr(tc, 'supports', lambda *a: True)
-    monkeypatch.setitem(__import__('flatten_mm.models.ops.conv', fromlist=['_FUSED'])._FUSED,
-                        'triton', (tc.triton_conv_add, lambda *a: True))
+    # the interpreter standing in for a GPU 'auto' supports (first-use state isolated)
+    monkeypatch.setattr(tb, '_AGREED', set())
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    monkeypatch.setitem(conv_module._FUSED, 'triton', (tc.triton_conv_add, lambda *a: True))
     with use_backend('auto'):
         got = depthwise_conv_add(out, x, (5, 7), weight, bias)
     assert got is not out and torch.allclose(got, want, atol=1e-5)
@@ -205,12 +207,12 @@ def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
         warnings.simplefilter('error')
         got = tc.triton_conv_add(out, x, (5, 7), weight, bias)
         tc.triton_conv_add(out, x, (5, 7), weight, bias)
-    assert tb._AGREED == {('conv', x.device, torch.float32, 5)}
+    assert tb._AGREED == {('conv', x.device, torch.float32, torch.float32, 5, 24)}
     assert torch.allclose(got, want, atol=1e-5)
     kernels = tc.kernels()
     real = kernels.conv_add
     monkeypatch.setattr(kernels, 'conv_add', lambda *a, **kw: real(*a, **kw) * 1.5)
-    with pytest.warns(RuntimeWarning, match=r'depth-wise conv kernels disagree .*3x3.* result'):
+    with pytest.warns(RuntimeWarning, match=r'conv kernels disagree .*3x3, C=24.* result'):
         got = tc.triton_conv_add(out.clone(), x, (5, 7), weight[..., 1:4, 1:4], bias)
     assert torch.allclose(got, reference(out, x, (5, 7), weight[..., 1:4, 1:4], bias),
                           atol=1e-5) and not tb._KERNELS['importable']
@@ -223,7 +225,7 @@ def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
     (2, (100, 167), 128, torch.float32),
 ])
 def test_cuda_real_sizes(B, hw, C, dtype):
-    """GPU tiling (128 rows, 32-64 channels, chunked weight gradient) at real sizes."""
+    """GPU tiling (64 rows, 32-64 channels, chunked weight gradient) at real sizes."""
     out, x, weight, bias, g = make(B, hw, C, 5, dtype)
     with use_backend('triton'):
         got = grads(lambda *t: depthwise_conv_add(t[0], t[1], hw, t[2], t[3]),
@@ -233,3 +235,30 @@ def test_cuda_real_sizes(B, hw, C, dtype):
     for name, a, r in zip(NAMES, got, ref):
         tol = 1e-4 if name in ('weight', 'bias') else TOL[dtype]
         assert rel_err(a, r) < tol, f'{name}: {rel_err(a, r):.2e}'
+
+
+def test_first_use_probe_spans_images_and_a_failing_backward_falls_back(monkeypatch):
+    """The first-use probe takes enough images for a row block to span two (small
+    windows); a backward kernel that cannot be built (first built in the probe)
+    warns and leaves for PyTorch instead of failing the step."""
+    monkeypatch.setattr(tb, 'get_backend', lambda: 'auto')
+    monkeypatch.setattr(tb, '_AGREED', set())
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    kernels = tc.kernels()
+    seen = []
+    real = kernels.conv_add
+    monkeypatch.setattr(kernels, 'conv_add', lambda x, *a, **kw: seen.append(x.shape[0]) or
+                        real(x, *a, **kw))
+    out, x, weight, bias, _ = make(5, (3, 3), 16, 3, torch.float32)  # 9-token windows
+    tc.triton_conv_add(out, x, (3, 3), weight, bias)
+    block_p = kernels.conv_plan(1, 16).block_p
+    assert seen[1] == -(-2 * block_p // 9) == 4 and len(tb._AGREED) == 1  # 4 windows probed
+
+    def broken(*args):
+        raise RuntimeError('cannot build _conv_weight_grad_kernel')
+    monkeypatch.setattr(kernels, 'weight_grad', broken)
+    out, x, weight, bias, _ = make(2, (5, 7), 24, 5, torch.float32)
+    with pytest.warns(RuntimeWarning, match='conv kernels failed on their first check'):
+        got = tc.triton_conv_add(out.clone(), x, (5, 7), weight, bias)
+    assert torch.allclose(got, reference(out, x, (5, 7), weight, bias), atol=1e-5)
+    assert not tb._KERNELS['importable']
