@@ -122,12 +122,19 @@ def in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args) -
 
 
 def exact_fp32(dtype: torch.dtype) -> bool:
-    """Whether fp32 inputs must take exact (IEEE) dots: torch's matmul setting,
-    read through the API it was set with (``fp32_precision`` is ``'tf32'`` or
-    ``'ieee'`` once either API sets it; reading the legacy ``allow_tf32`` after
-    the new API raises)."""
-    if dtype != torch.float32:
-        return False
+    """Whether fp32 inputs must take exact (IEEE) dots: torch's matmul setting
+    (:func:`_cuda_matmul_is_ieee`)."""
+    return dtype == torch.float32 and _cuda_matmul_is_ieee()
+
+
+@torch.compiler.assume_constant_result
+def _cuda_matmul_is_ieee() -> bool:
+    """torch's CUDA matmul setting for fp32, read through the API it was set with
+    (``fp32_precision`` is ``'tf32'`` or ``'ieee'`` once either API sets it;
+    reading the legacy ``allow_tf32`` after the new API raises). A constant to
+    torch.compile: dynamo cannot trace the C getter behind ``fp32_precision``
+    (a graph break in every fp32 CUDA layer), so a compiled graph keeps the
+    setting it was traced with."""
     matmul = torch.backends.cuda.matmul
     precision = getattr(matmul, 'fp32_precision', 'none')
     if precision in ('tf32', 'ieee'):

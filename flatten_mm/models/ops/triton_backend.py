@@ -240,7 +240,8 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
         if not fall_back_on_first_failure(err, _KERNELS.get('ran', False), 'attention backend'):
             raise
         return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
-    _KERNELS['ran'] = True
+    if not torch.compiler.is_compiling():  # no side effect in a traced graph
+        _KERNELS['ran'] = True
     if not _agrees_on_first_use(q, k, v, scale, focusing_factor, num_heads, key_mask):
         return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
     return out

@@ -127,7 +127,8 @@ def triton_conv_add(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                                           'depth-wise conv kernel'):
             raise
         return torch_conv_add(out, x, hw, weight, bias)
-    _KERNELS['ran'] = True
+    if not torch.compiler.is_compiling():  # no side effect in a traced graph
+        _KERNELS['ran'] = True
     if not _agrees_on_first_use(out, x, hw, weight, bias):
         return torch_conv_add(out, x, hw, weight, bias)
     return result

@@ -1,0 +1,58 @@
+"""tools/analysis_tools/trace_cuda.py: every family traced for CUDA without a GPU
+(fake CUDA tensors), in one graph with the Triton ops the GPU path takes.
+
+Without this, the CUDA path's graph breaks show only on a GPU: the CPU path
+never reaches the Triton backend's choice (the fp32 TF32 read that broke every
+fp32 CUDA layer's graph passed every CPU test)."""
+import importlib.util
+import os.path as osp
+
+import pytest
+
+from flatten_mm.models.ops import available_backends
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+pytestmark = pytest.mark.skipif('triton' not in available_backends(), reason='needs triton')
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location(
+        'trace_cuda', osp.join(ROOT, 'tools', 'analysis_tools', 'trace_cuda.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# linear-attention blocks of each tiny model: one attention op each, and one
+# fused out + DWC(V) op, except DeiT's (its class token keeps the plain conv)
+BLOCKS = {'flatten-swin-t': (4, 4), 'flatten-pvt-t': (8, 8), 'flatten-pvtv2-b1': (8, 8),
+          'flatten-cswin-t': (6, 6), 'timm:flatten_deit_tiny': (12, 0)}
+
+
+def test_every_family_traces_for_cuda_in_one_graph(tmp_path):
+    tool = load_tool()
+    rows = tool.main(['--models', *BLOCKS, '--size', '64x96', '--dtypes', 'fp32',
+                      '--batch', '1', '--out', str(tmp_path / 'rows.json')])
+    rows += tool.main(['--models', 'flatten-swin-t', '--size', '64x96', '--dtypes', 'bf16',
+                       '--batch', '1'])
+    for row in rows:
+        attention, conv = BLOCKS[row['model']]
+        assert row['status'] == 'ok', row
+        assert row['ops'].get('flatten_mm.triton_attention.default') == attention, row
+        assert row['ops'].get('flatten_mm.triton_conv_add.default', 0) == conv, row
+    assert (tmp_path / 'rows.json').exists()
+
+
+def test_a_break_fails_the_run(monkeypatch):
+    """A graph break is reported with its cause, and the exit status is 1."""
+    import torch
+
+    from flatten_mm.models.ops import dispatch
+    tool = load_tool()
+    # the setting read as before the fix: dynamo cannot trace the C getter
+    monkeypatch.setattr(dispatch, '_cuda_matmul_is_ieee',
+                        lambda: torch.backends.cuda.matmul.fp32_precision == 'ieee')
+    with pytest.raises(SystemExit) as exc:
+        tool.main(['--models', 'flatten-pvt-t', '--size', '32', '--dtypes', 'fp32',
+                   '--batch', '1'])
+    assert exc.value.code == 1
