@@ -56,3 +56,13 @@ def test_a_break_fails_the_run(monkeypatch):
         tool.main(['--models', 'flatten-pvt-t', '--size', '32', '--dtypes', 'fp32',
                    '--batch', '1'])
     assert exc.value.code == 1
+
+
+def test_compiled_on_the_cuda_path_one_graph_per_size():
+    """Compiled at two sizes and back at the first: two graphs. Nothing on the CUDA
+    path is guarded on but the sizes (the conv's first-use check once imported
+    its kernels inside the trace, and the guard on that recompiled every graph)."""
+    tool = load_tool()
+    for name in ('flatten-pvt-t', 'flatten-swin-t'):
+        row = tool.count_graphs(name, [[64, 96], [64, 80]], 'fp32', 1)
+        assert row['status'] == 'ok' and row['graphs'] == 2, row

@@ -2,7 +2,8 @@
 model's graph holds, on the path CUDA tensors take.
 
     python tools/analysis_tools/trace_cuda.py --size 800x1333 --dtypes fp32 bf16 \\
-        --models flatten-swin-t flatten-pvt-t flatten-pvtv2-b1 flatten-cswin-t
+        --models flatten-swin-t flatten-pvt-t flatten-pvtv2-b1 flatten-cswin-t \\
+        --compile-sizes 800x1333 800x1216
 
 Each model (``benchmark_backbone.py``'s names, ``timm:NAME`` included) is built
 on CPU; its parameters and buffers are then swapped for fake CUDA tensors
@@ -13,7 +14,10 @@ under autocast for half dtypes. The code takes the branches a GPU takes:
 ``'auto'`` chooses the Triton ops (``flatten_mm::``), whose fake
 implementations give the shapes. Reported per model: whether it traced, the
 graph's ``flatten_mm::`` ops and convolutions, or the error. The exit status
-is 1 if any model fails.
+is 1 if any model fails. With ``--compile-sizes``, each model is also compiled
+(``fullgraph=True``, forward) at those sizes and the first again, and must make
+one graph per distinct size: nothing on the CUDA path guarded on but the
+sizes (a guard on the lazily imported conv kernels once recompiled every graph).
 
 What it does not show: the kernels themselves (the interpreter tests and
 ``kernel_resources.py``), recompilation across sizes, and speed
@@ -92,6 +96,35 @@ def trace(name: str, size: list, dtype: str, batch: int) -> dict:
     return row
 
 
+def count_graphs(name: str, sizes: list, dtype: str, batch: int) -> dict:
+    """``torch.compile(fullgraph=True)`` of one model's training forward on fake
+    CUDA tensors at each size, then the first again: how many graphs dynamo
+    made (as many as distinct sizes when nothing else is guarded on). Forward
+    only: the autograd engine needs a real GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = Autocast(to_fake_cuda(build_model(name).train(), fake_mode), DTYPES[dtype])
+    graphs = []
+
+    def backend(gm, _):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    row = dict(model=name, sizes=['x'.join(map(str, s)) for s in sizes], dtype=dtype)
+    try:
+        with fake_mode:
+            for size in list(sizes) + [sizes[0]]:
+                compiled(torch.randn(batch, 3, *size, device='cuda'))
+        distinct = len({tuple(s) for s in sizes})
+        row.update(graphs=len(graphs), status='ok' if len(graphs) <= distinct else
+                   f'{len(graphs)} graphs for {distinct} sizes (TORCH_LOGS=recompiles says why)')
+    except Exception as err:  # noqa: BLE001 (reported, and the exit status says so)
+        row.update(status='failed', error=f'{type(err).__name__}: {str(err)[:1500]}')
+    return row
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--models', nargs='+',
@@ -100,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--size', type=parse_size, default=[800, 1333])
     parser.add_argument('--dtypes', nargs='+', choices=sorted(DTYPES), default=['fp32', 'bf16'])
     parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--compile-sizes', nargs='+', type=parse_size, default=[],
+                        help='also compile each model at these sizes, then the first again, '
+                        'and count the graphs')
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
@@ -115,6 +151,12 @@ def main(argv=None) -> list:
             rows.append(row)
             print(f"{name} {row['size']} {dtype}: {row['status']} ({row['seconds']} s) "
                   f"{row.get('ops') or row.get('error')}", flush=True)
+            if args.compile_sizes:
+                row = count_graphs(name, args.compile_sizes, dtype, args.batch)
+                rows.append(row)
+                print(f"{name} compiled at {' '.join(row['sizes'])} and the first again, "
+                      f"{dtype}: {row.get('graphs')} graphs, {row['status']} "
+                      f"{row.get('error', '')}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     if any(r['status'] != 'ok' for r in rows):

@@ -140,6 +140,8 @@ def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Te
     the device, the dtypes of x and the weight, K and C (which sets the channel
     blocks); the probe takes enough images for a row block to span two of them
     (Swin's 49-token windows), at least one."""
+    if torch.compiler.is_compiling():  # not checked there, and no kernels import traced
+        return True  # (a guard on it recompiled every graph once the kernels ran)
     B, L, C = x.shape
     K = weight.shape[-1]
     n = min(B, -(-2 * kernels().conv_plan(1, C).block_p // L))
