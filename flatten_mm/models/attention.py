@@ -81,8 +81,8 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
     """The attention term ``out`` plus the layer's DWC(V) (+ LePE) on the query
     grid, V resized from the key ``grid`` first where that differs (reduced
     keys); ``out`` itself when the layer has neither. Prefix tokens get no local
-    term; with more than V's C channels (EfficientViT's scales) the first C
-    take it. Otherwise it is one op a backend may fuse
+    term. With more than V's C channels (EfficientViT's scales) the first C
+    take it, in place; otherwise it is one op a backend may fuse
     (:func:`~flatten_mm.models.ops.depthwise_conv_add`)."""
     kernel = local_kernel(layer)
     if kernel is None:
@@ -92,8 +92,8 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
     if tuple(grid) != tuple(hw_shape):
         v = layer.conv_on_grid(v, grid, lambda m: m, hw_shape)
     C = v.shape[-1]
-    if P or out.shape[-1] != C:  # in place into the grid's first C channels
-        torch_conv_add(grid_tokens(out[..., :C], P), v, hw_shape, *kernel)
+    if out.shape[-1] != C:  # in place into the first C channels
+        torch_conv_add(out[..., :C], v, hw_shape, *kernel)
         return out
     return depthwise_conv_add(out, v, hw_shape, *kernel)
 

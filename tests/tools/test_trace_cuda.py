@@ -24,9 +24,9 @@ def load_tool():
 
 
 # linear-attention blocks of each tiny model: one attention op each, and one
-# fused out + DWC(V) op, except DeiT's (its class token keeps the plain conv)
+# fused out + DWC(V) op
 BLOCKS = {'flatten-swin-t': (4, 4), 'flatten-pvt-t': (8, 8), 'flatten-pvtv2-b1': (8, 8),
-          'flatten-cswin-t': (6, 6), 'timm:flatten_deit_tiny': (12, 0)}
+          'flatten-cswin-t': (6, 6), 'timm:flatten_deit_tiny': (12, 12)}
 
 
 def test_every_family_traces_for_cuda_in_one_graph(tmp_path):

@@ -80,15 +80,20 @@ def register_fused_conv_add(name: str, fn: Callable[..., Tensor],
 def torch_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
                    bias: Optional[Tensor], inplace: bool = True) -> Tensor:
     """:func:`depthwise_conv_add` by PyTorch ops: the conv on a channels-last view
-    of x, added to out in place (or not)."""
+    of x, added to out's grid rows in place (or not)."""
     local = map_to_tokens(depthwise_conv(tokens_to_map(x, hw_shape), weight, bias))
-    return out.add_(local) if inplace else out + local
+    P = out.shape[1] - local.shape[1]
+    if not inplace:
+        return out + local if not P else torch.cat([out[:, :P], out[:, P:] + local], 1)
+    (out[:, P:] if P else out).add_(local)
+    return out
 
 
 def depthwise_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
                        bias: Optional[Tensor]) -> Tensor:
-    """``out + conv2d(x, weight, bias, padding=K // 2, groups=C)`` for tokens out
-    and x (B, H*W, C) on the (H, W) grid: the attention output plus DWC(V).
+    """``out + conv2d(x, weight, bias, padding=K // 2, groups=C)`` for tokens x
+    (B, H*W, C) on the (H, W) grid: the attention output plus DWC(V). ``out``
+    may hold P prefix tokens first, (B, P + H*W, C): they get no conv term.
 
     The fused form of the backend in force (:func:`.dispatch.set_backend`) when it
     has one (``'triton'``; ``'auto'``: for the tensors it supports), else PyTorch

@@ -1,5 +1,6 @@
 """The ``'triton'`` form of the attention output's local term: ``out + DWC(V)``
-(the layer's depth-wise conv, with CSwin's LePE folded in) as one fused
+(the layer's depth-wise conv, with CSwin's LePE folded in; prefix tokens
+such as a class token take none) as one fused
 Triton kernel, and its backward, as ``torch.library`` custom ops.
 
 Why a kernel of its own: on CUDA the plain path is a conv on a (B, C, H, W)
@@ -47,9 +48,17 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def _add_impl(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int) -> Tensor:
+    """out (B, P + H*W, C) with DWC(x) added to its last H*W rows (the grid's;
+    P prefix tokens, a class token, are copied)."""
     check_runnable(x)
-    return kernels().conv_add(_rows(x), weight.contiguous(), bias.contiguous(), _rows(out),
-                              (H, W))
+    out = _rows(out)
+    P = out.shape[1] - H * W
+    result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    if P:
+        result[:, :P] = out[:, :P]
+    kernels().conv_add(_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:], (H, W),
+                       out=result[:, P:])
+    return result
 
 
 def _add_fake(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int) -> Tensor:
@@ -60,7 +69,8 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int
                    ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of x, weight and bias."""
     check_runnable(x)
-    ks, grad, x = kernels(), _rows(grad), _rows(x)
+    ks, x = kernels(), _rows(x)
+    grad = _rows(grad)[:, grad.shape[1] - H * W:]  # the grid's rows
     grad_x = ks.conv_add(grad, weight.contiguous(), None, None, (H, W), flip=True,
                          dtype=x.dtype)
     grad_w, grad_b = ks.weight_grad(grad, x, weight.shape[-1], (H, W))
@@ -98,11 +108,13 @@ def _register_ops() -> None:
 
 def check_conv_call(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                     bias: Optional[Tensor]) -> None:
-    """ValueError naming the value unless out and x are (B, H*W, C) of one
-    supported dtype, weight (C, 1, K, K) with K odd and bias (C,)."""
-    if x.dim() != 3 or out.shape != x.shape or x.shape[1] != hw[0] * hw[1]:
-        raise ValueError(f'out and x must both be (B, H*W, C) with (H, W) = {tuple(hw)}, got '
-                         f'out {tuple(out.shape)}, x {tuple(x.shape)}')
+    """ValueError naming the value unless x is (B, H*W, C) and out (B, P + H*W, C)
+    of x's dtype (a supported one), weight (C, 1, K, K) with K odd and bias (C,)."""
+    if x.dim() != 3 or out.dim() != 3 or x.shape[1] != hw[0] * hw[1] or \
+            out.shape[0] != x.shape[0] or out.shape[2] != x.shape[2] or \
+            out.shape[1] < x.shape[1]:
+        raise ValueError(f'x must be (B, H*W, C) with (H, W) = {tuple(hw)} and out (B, P + H*W, '
+                         f'C), got out {tuple(out.shape)}, x {tuple(x.shape)}')
     C = x.shape[-1]
     K = weight.shape[-1]
     if weight.shape != (C, 1, K, K) or K % 2 == 0:

@@ -133,14 +133,16 @@ def conv_plan(rows: int, C: int, sms: int = 132) -> ConvPlan:
 
 
 def conv_add(x: Tensor, weight: Tensor, bias: Optional[Tensor], base: Optional[Tensor],
-             hw: Tuple[int, int], flip: bool = False,
-             dtype: Optional[torch.dtype] = None) -> Tensor:
+             hw: Tuple[int, int], flip: bool = False, dtype: Optional[torch.dtype] = None,
+             out: Optional[Tensor] = None) -> Tensor:
     """(B, L, C) ``base + conv(x) + bias`` (each term optional but x) in ``dtype``
-    (base's, else x's); ``flip`` rotates the kernel (the input gradient)."""
+    (base's, else x's), into ``out`` if given (any batch and token strides);
+    ``flip`` rotates the kernel (the input gradient)."""
     B, L, C = x.shape
     K = weight.shape[-1]
-    out = torch.empty((B, L, C), dtype=dtype or (base if base is not None else x).dtype,
-                      device=x.device)
+    if out is None:
+        out = torch.empty((B, L, C), dtype=dtype or (base if base is not None else x).dtype,
+                          device=x.device)
     pl = conv_plan(B * L, C, sm_count(x.device))
     b_ = base if base is not None else out
     grid = (triton.cdiv(B * L, pl.block_p), triton.cdiv(C, pl.block_c))

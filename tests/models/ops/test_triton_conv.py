@@ -79,6 +79,24 @@ def test_matches_conv2d(B, hw, C, K, dtype):
         assert rel_err(a, r) < tol, f'{name}: {rel_err(a, r):.2e}'
 
 
+@pytest.mark.parametrize('backend', ['torch', 'triton'])
+def test_prefix_tokens_take_no_conv(backend):
+    """out (B, P + H*W, C): a class token first is copied, the grid's rows take
+    the conv; gradients flow to every row of out."""
+    out, x, weight, bias, g = make(2, (5, 3), 16, 3, torch.float32)
+    out = torch.cat([torch.randn(2, 1, 16), out], 1)
+    g = torch.cat([torch.randn(2, 1, 16), g], 1)
+
+    def ref(o, x, w, b):
+        return torch.cat([o[:, :1], reference(o[:, 1:], x, (5, 3), w, b)], 1)
+    with use_backend(backend):
+        got = grads(lambda *t: depthwise_conv_add(t[0].clone(), t[1], (5, 3), t[2], t[3]),
+                    (out, x, weight, bias), g)
+    want = grads(ref, (out, x, weight, bias), g)
+    for name, a, r in zip(NAMES, got, want):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_torch_path_in_place_and_choice(monkeypatch):
     """'torch' adds in place into out (as before the fused form); 'auto' keeps
     CPU tensors there and takes the fused op where it supports the call."""
@@ -103,6 +121,8 @@ def test_clear_errors():
     with use_backend('triton'):
         with pytest.raises(ValueError, match=r'\(H, W\) = \(4, 5\)'):
             depthwise_conv_add(out, x, (4, 5), weight, bias)
+        with pytest.raises(ValueError, match=r'got out \(1, 15, 16\), x \(1, 16, 16\)'):
+            depthwise_conv_add(out[:, 1:], x, (4, 4), weight, bias)
         with pytest.raises(ValueError, match=r'K odd, got \(16, 1, 4, 4\)'):
             depthwise_conv_add(out, x, (4, 4), weight[..., :4, :4], bias)
         with pytest.raises(ValueError, match=r'bias of shape \(16,\), got None'):
@@ -115,7 +135,7 @@ def test_clear_errors():
     (dict(embed_dims=64, num_heads=2), (7, 7), True),  # a Swin window layer, padded keys
     (dict(embed_dims=32, num_heads=1, sr_ratio=2), (5, 7), False),  # PVT: V resized
     (dict(embed_dims=64, num_heads=2, lepe=True), (6, 5), False),  # CSwin: DWC + LePE
-    (dict(embed_dims=32, num_heads=2, num_prefix_tokens=1), (4, 4), False),  # DeiT: in place
+    (dict(embed_dims=32, num_heads=2, num_prefix_tokens=1), (4, 4), False),  # DeiT's class token
 ])
 def test_layer_same_under_both_backends(kwargs, hw, masked):
     """The whole layer in training mode, output and every parameter's gradient:
