@@ -441,16 +441,51 @@ def capability(device: torch.device) -> Tuple[int, int]:
     return _properties(device)[1]
 
 
+def parse_tiling(text: str) -> dict:
+    """The tiling override ``FLATTEN_MM_TRITON_TILING`` holds, e.g.
+    ``'block=64,bwd_block=32,warps=4,per_sm=8'``: forward and backward tokens per
+    block (powers of two, 16-512), warps per program (1-16, a power of two) and
+    the programs per multiprocessor the chunked sweeps aim at (1-64). For
+    timing sweeps on a GPU; keys left out keep :func:`plan`'s choice."""
+    allowed = dict(block=(16, 512, True), bwd_block=(16, 512, True), warps=(1, 16, True),
+                   per_sm=(1, 64, False))
+    tiling = {}
+    for item in filter(None, (part.strip() for part in text.split(','))):
+        key, _, value = item.partition('=')
+        if key not in allowed or not value.strip().isdigit():
+            raise ValueError(f'FLATTEN_MM_TRITON_TILING takes key=integer items with keys '
+                             f'{sorted(allowed)}, got {item!r} in {text!r}')
+        low, high, power = allowed[key]
+        n = int(value)
+        if not low <= n <= high or (power and n & (n - 1)):
+            raise ValueError(f'FLATTEN_MM_TRITON_TILING: {key} must be '
+                             f'{"a power of two " if power else ""}in [{low}, {high}], got {n}')
+        tiling[key] = n
+    return tiling
+
+
+_TILING = {}
+
+
+def tiling() -> dict:
+    """The override from ``FLATTEN_MM_TRITON_TILING``, read at the first plan (a bad
+    value raises there, naming it, rather than when the kernels import)."""
+    if 'parsed' not in _TILING:
+        _TILING['parsed'] = parse_tiling(os.environ.get('FLATTEN_MM_TRITON_TILING', ''))
+    return _TILING['parsed']
+
+
 class Plan(NamedTuple):
     """How one call is tiled: tokens per block, blocks per program of the chunked
     kernels, chunks per (image, head), the padded head width, the dots' operands
-    and warps per program."""
+    and their precision, and warps per program."""
     block_n: int
     blocks_per_prog: int
     chunks: int
     bd: int
     dot_dtype: object
     precision: str
+    warps: int = NUM_WARPS
 
 
 def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
@@ -469,25 +504,29 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
     Chunks of blocks per program so that (image, head, chunk) programs about fill
     the GPU (a few per multiprocessor) without many partial states to add up.
     Under the interpreter, blocks of 16 tokens and two per program, so that the
-    tests' small shapes cross block and chunk borders.
+    tests' small shapes cross block and chunk borders. :func:`tiling` (from
+    ``FLATTEN_MM_TRITON_TILING``, :func:`parse_tiling`) overrides the GPU's choices.
     """
     bd = max(16, triton.next_power_of_2(d))
     exact = exact_fp32(dtype)
+    TILING = tiling()
     if INTERPRETED:
         block_n, per = 16, 2
     else:
-        block_n = max(16, 1024 // bd) if exact else 32 if bd > 64 else 4096 // bd
+        block_n = TILING.get('block') or (max(16, 1024 // bd) if exact else
+                                          32 if bd > 64 else 4096 // bd)
         if backward:
-            block_n = max(16, block_n // 2)
+            block_n = TILING.get('bwd_block') or max(16, block_n // 2)
         blocks = triton.cdiv(tokens, block_n)
-        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(4 * sms, bh))))
+        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(TILING.get('per_sm', 4) * sms,
+                                                            bh))))
     chunks = max(1, triton.cdiv(tokens, block_n * per))
     # bf16 operands for bf16 (fp32's exponent range); fp16 inputs get tf32 dots
     # instead: fp16's precision without its range (the states and u^p of a large
     # p leave it). tl.dot on bf16 is wrong under the interpreter: fp32 there.
     bf16 = dtype == torch.bfloat16 and not INTERPRETED
     return Plan(block_n, per, chunks, bd, tl.bfloat16 if bf16 else tl.float32,
-                'ieee' if exact else 'tf32')
+                'ieee' if exact else 'tf32', TILING.get('warps', NUM_WARPS))
 
 
 def row_stats(x: Tensor, s_inv: Tensor, p: float, launch: bool = True) -> Tensor:
@@ -523,7 +562,7 @@ def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.devi
 def _launch_opts(pl: Plan) -> dict:
     """The compile-time arguments every token kernel takes from its plan."""
     return dict(BLOCK_N=pl.block_n, BD=pl.bd, DOT_DTYPE=pl.dot_dtype, PREC=pl.precision,
-                num_warps=NUM_WARPS)
+                num_warps=pl.warps)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,

@@ -393,3 +393,27 @@ def test_disagreeing_kernels_warn_and_fall_back(monkeypatch):
         out = tb.triton_backend(q, k, v, scale, 3.0, 2, mask)
     expected = run('torch', q, k, v, scale, 3.0, 2, mask, g)[0]
     assert torch.allclose(out, expected, atol=1e-6) and not tb._KERNELS['importable']
+
+
+def test_tiling_override_for_timing_sweeps(monkeypatch):
+    """FLATTEN_MM_TRITON_TILING changes the GPU's tiling for timing sweeps (the
+    launches then carry it); bad values are refused with the value named, at the
+    first plan rather than silently at import."""
+    kernels = tb.kernels()
+    monkeypatch.setattr(kernels, 'INTERPRETED', False)
+    monkeypatch.setattr(kernels, '_TILING', {})
+    monkeypatch.setenv('FLATTEN_MM_TRITON_TILING', 'block=64, bwd_block=16,warps=4,per_sm=8')
+    fwd = kernels.plan(66_800, 48, 32, torch.bfloat16)
+    bwd = kernels.plan(66_800, 48, 32, torch.bfloat16, backward=True)
+    assert (fwd.block_n, bwd.block_n, fwd.warps) == (64, 16, 4)
+    assert kernels._launch_opts(fwd)['num_warps'] == 4
+    assert 48 * fwd.chunks >= 8 * 132  # eight programs per multiprocessor
+    monkeypatch.setattr(kernels, '_TILING', {})
+    monkeypatch.delenv('FLATTEN_MM_TRITON_TILING')
+    default = kernels.plan(66_800, 48, 32, torch.bfloat16)
+    assert (default.block_n, default.warps) == (128, 8) and 48 * default.chunks < 8 * 132
+    for bad, named in (('block=48', 'block must be a power of two in \\[16, 512\\], got 48'),
+                       ('warps=32', 'got 32'), ('per_sm=0', 'per_sm must be in'),
+                       ('blocks=64', "got 'blocks=64'"), ('block=x', "got 'block=x'")):
+        with pytest.raises(ValueError, match=named):
+            kernels.parse_tiling(bad)
