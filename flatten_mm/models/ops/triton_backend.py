@@ -265,7 +265,10 @@ _AGREED = set()
 
 def _probe(fn, inputs: Sequence[Tensor]) -> list:
     """Output and input gradients of ``fn`` on detached copies of ``inputs``, for
-    a fixed output gradient (no random numbers drawn)."""
+    a fixed output gradient (no random numbers drawn); under
+    ``torch.inference_mode`` (no gradients) the output alone."""
+    if torch.is_inference_mode_enabled():
+        return [fn(*inputs)]
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     with torch.enable_grad():
         out = fn(*leaves)
@@ -274,21 +277,35 @@ def _probe(fn, inputs: Sequence[Tensor]) -> list:
     return [out.detach(), *grads]
 
 
+def _record(key: tuple) -> tuple:
+    """The entry of :data:`_AGREED` a check of ``key`` makes now: a check under
+    ``torch.inference_mode`` covers the forward only."""
+    return key + ('forward', ) if torch.is_inference_mode_enabled() else key
+
+
+def settled(key: tuple) -> bool:
+    """Whether a call of configuration ``key`` needs no first-use check: not
+    ``'auto'``, inside a compiled graph, or already checked (in training, with
+    gradients; under ``torch.inference_mode``, at least forward)."""
+    return (get_backend() != 'auto' or torch.compiler.is_compiling() or key in _AGREED or
+            _record(key) in _AGREED)
+
+
 def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Sequence[str],
                 what: str, config: str) -> bool:
     """Under ``'auto'``, in eager mode, the first call of each configuration ``key``
     of a Triton op ``ours`` is checked against its PyTorch form ``theirs`` on
-    ``inputs`` (the call's first image; ``names`` names the output and them, ``what`` and
-    ``config`` name the op and the configuration in the warning): output and
-    every input's gradient, each within :data:`AGREE_TOL` of the inputs' dtype
-    (relative norm). On a
-    disagreement (a GPU, driver or Triton on which the kernels compute wrong) it
-    warns with the errors, sends this process to the torch backend and returns
-    False: a wrong kernel is never silent. So does a kernel that fails in the
-    check (a backward kernel is built there first). A forced ``'triton'`` is not checked,
-    nor a call under ``torch.inference_mode`` (which allows no gradient)."""
-    if get_backend() != 'auto' or torch.compiler.is_compiling() or \
-            torch.is_inference_mode_enabled() or key in _AGREED:
+    ``inputs`` (the call's first images; ``names`` names the output and them,
+    ``what`` and ``config`` name the op and the configuration in the warning):
+    output and every input's gradient, each within :data:`AGREE_TOL` of the
+    inputs' dtype (relative norm). Under ``torch.inference_mode``, which allows
+    no gradient, the output alone, and the gradients at the first call outside
+    it. On a disagreement (a GPU, driver or Triton on which the kernels compute
+    wrong) it warns with the errors, sends this process to the torch backend
+    and returns False: a wrong kernel is never silent. So does a kernel that
+    fails in the check (a backward kernel is built there first). A forced
+    ``'triton'`` is not checked."""
+    if settled(key):
         return True
     try:
         ours_out = _probe(ours, inputs)  # its backward's first build and run, too
@@ -301,7 +318,7 @@ def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Seque
               for name, a, b in zip(names, ours_out, _probe(theirs, inputs))}
     tol = AGREE_TOL[inputs[1].dtype]
     if max(errors.values()) <= tol:
-        _AGREED.add(key)
+        _AGREED.add(_record(key))
         return True
     found = ', '.join(f'{name} {err:.1e}' for name, err in errors.items())
     _leave_for_torch(f"the 'triton' {what} disagree with the 'torch' backend on "
@@ -316,8 +333,7 @@ def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: floa
     """:func:`agrees_once` for the attention kernels: a configuration is the
     device, dtype, head width, one head or several, and whether a key mask is given."""
     key = ('attention', q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
-    if key in _AGREED or get_backend() != 'auto' or torch.compiler.is_compiling() or \
-            torch.is_inference_mode_enabled():  # before the key count's sync
+    if settled(key):  # before the key count's sync
         return True
     keys = k.shape[1] if key_mask is None else int(key_mask[0].sum())  # one sync, until agreed
     if keys < 2:  # one key: q's and k's gradients are eps-sized noise, no test

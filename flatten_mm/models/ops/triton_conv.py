@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .conv import register_fused_conv_add, torch_conv_add
 from .triton_backend import (AVAILABLE, DTYPES, agrees_once, check_runnable,
-                             fall_back_on_first_failure, importable)
+                             fall_back_on_first_failure, importable, settled)
 
 _KERNELS = {}
 
@@ -152,12 +152,13 @@ def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Te
     the device, the dtypes of x and the weight, K and C (which sets the channel
     blocks); the probe takes enough images for a row block to span two of them
     (Swin's 49-token windows), at least one."""
-    if torch.compiler.is_compiling():  # not checked there, and no kernels import traced
-        return True  # (a guard on it recompiled every graph once the kernels ran)
     B, L, C = x.shape
     K = weight.shape[-1]
+    key = ('conv', x.device, x.dtype, weight.dtype, K, C)
+    if settled(key):  # (and under compile no kernels import traced: a guard on it
+        return True   # recompiled every graph once the kernels ran)
     n = min(B, -(-2 * kernels().conv_plan(1, C).block_p // L))
-    return agrees_once(('conv', x.device, x.dtype, weight.dtype, K, C),
+    return agrees_once(key,
                        lambda *t: torch.ops.flatten_mm.triton_conv_add(*t, *hw),
                        lambda *t: torch_conv_add(*t[:2], hw, *t[2:], inplace=False),
                        (out[:n], x[:n], weight, bias), ('result', 'out', 'x', 'weight', 'bias'),

@@ -368,12 +368,21 @@ def test_first_use_is_checked_against_the_torch_backend(monkeypatch):
     assert len(tb._AGREED) == 1 and torch.equal(out, again)
     tb.triton_backend(q[:, :, :32], k[:, :, :32], v[:, :, :32], scale[..., :32], 3.0, 1, None)
     assert len(probes) == 4 and len(tb._AGREED) == 2  # one head, no mask: checked too
-    # a single key (a tiny image's reduced grid) is no test: left to a later call;
-    # so is a call under inference_mode, which allows no gradient
+    # a single key (a tiny image's reduced grid) is no test: left to a later call
     tb.triton_backend(q, k[:, :1], v[:, :1], scale, 3.0, 4, None)
+    assert len(probes) == 4 and len(tb._AGREED) == 2
+    # under inference_mode (no gradients) the output alone, once; the gradients
+    # at the first call outside it
     with torch.inference_mode():
         tb.triton_backend(q, k, v, scale, 3.0, 4, None)
-    assert len(probes) == 4 and len(tb._AGREED) == 2
+        tb.triton_backend(q, k, v, scale, 3.0, 4, None)
+    assert len(probes) == 6 and ('attention', q.device, q.dtype, 16, False, False,
+                                 'forward') in tb._AGREED
+    tb.triton_backend(q, k, v, scale, 3.0, 4, None)
+    assert len(probes) == 8 and len(tb._AGREED) == 4
+    with torch.inference_mode():
+        tb.triton_backend(q, k, v, scale, 3.0, 4, None)
+    assert len(probes) == 8
 
 
 def test_disagreeing_kernels_warn_and_fall_back(monkeypatch):
@@ -392,6 +401,11 @@ def test_disagreeing_kernels_warn_and_fall_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r'disagree with the .torch. backend .* out 5\.0e-01'):
         out = tb.triton_backend(q, k, v, scale, 3.0, 2, mask)
     expected = run('torch', q, k, v, scale, 3.0, 2, mask, g)[0]
+    assert torch.allclose(out, expected, atol=1e-6) and not tb._KERNELS['importable']
+    # also where only the output can be compared (inference_mode: no gradients)
+    tb._KERNELS['importable'] = True
+    with torch.inference_mode(), pytest.warns(RuntimeWarning, match=r'out 5\.0e-01'):
+        out = tb.triton_backend(q, k, v, scale, 3.0, 2, mask)
     assert torch.allclose(out, expected, atol=1e-6) and not tb._KERNELS['importable']
 
 
