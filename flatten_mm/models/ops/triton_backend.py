@@ -179,15 +179,22 @@ def _backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple:
     return tuple(grads) + (None, None, None)
 
 
+def register_op_pair(name: str, forward: tuple, backward: tuple, autograd: tuple) -> None:
+    """``flatten_mm::NAME`` and ``flatten_mm::NAME_backward`` as ``torch.library``
+    custom ops, each from its (implementation, fake implementation), the forward's
+    autograd formula from (backward function, setup_context): compilers and
+    export see one opaque op each way."""
+    fwd = torch.library.custom_op(f'flatten_mm::{name}', mutates_args=())(forward[0])
+    fwd.register_fake(forward[1])
+    bwd = torch.library.custom_op(f'flatten_mm::{name}_backward', mutates_args=())(backward[0])
+    bwd.register_fake(backward[1])
+    fwd.register_autograd(autograd[0], setup_context=autograd[1])
+
+
 def _register_ops() -> None:
-    """flatten_mm::triton_attention (forward) and ::triton_attention_backward, with
-    fake implementations, so compilers and export see one opaque op each."""
-    fwd = torch.library.custom_op('flatten_mm::triton_attention', mutates_args=())(_forward_impl)
-    fwd.register_fake(_forward_fake)
-    bwd = torch.library.custom_op('flatten_mm::triton_attention_backward',
-                                  mutates_args=())(_backward_impl)
-    bwd.register_fake(_backward_fake)
-    fwd.register_autograd(_backward, setup_context=_setup_context)
+    """flatten_mm::triton_attention and ::triton_attention_backward."""
+    register_op_pair('triton_attention', (_forward_impl, _forward_fake),
+                     (_backward_impl, _backward_fake), (_backward, _setup_context))
 
 
 def check_runnable(x: Tensor) -> None:

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from .conv import register_fused_conv_add, torch_conv_add
 from .triton_backend import (AVAILABLE, DTYPES, agrees_once, check_runnable,
-                             fall_back_on_first_failure, importable, settled)
+                             fall_back_on_first_failure, importable, register_op_pair,
+                             settled)
 
 _KERNELS = {}
 
@@ -95,15 +96,6 @@ def _backward(ctx: Any, grad: Tensor) -> tuple:
     return (grad, ) + tuple(grads) + (None, None)
 
 
-def _register_ops() -> None:
-    """flatten_mm::triton_conv_add and ::triton_conv_add_backward, with fake
-    implementations: one opaque op each for compilers and export."""
-    fwd = torch.library.custom_op('flatten_mm::triton_conv_add', mutates_args=())(_add_impl)
-    fwd.register_fake(_add_fake)
-    bwd = torch.library.custom_op('flatten_mm::triton_conv_add_backward',
-                                  mutates_args=())(_backward_impl)
-    bwd.register_fake(_backward_fake)
-    fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_conv_call(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
@@ -171,6 +163,7 @@ def supports(out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> 
             out.dtype == x.dtype and bias is not None and importable())
 
 
-if AVAILABLE:
-    _register_ops()
+if AVAILABLE:  # flatten_mm::triton_conv_add and ::triton_conv_add_backward
+    register_op_pair('triton_conv_add', (_add_impl, _add_fake), (_backward_impl, _backward_fake),
+                     (_backward, _setup_context))
     register_fused_conv_add('triton', triton_conv_add, supports)
