@@ -1,5 +1,6 @@
 """tools/analysis_tools/trace_cuda.py: every family traced for CUDA without a GPU
-(fake CUDA tensors), in one graph with the Triton ops the GPU path takes.
+(fake CUDA tensors), in one graph with the Triton ops the GPU path takes, in the
+dtype asked for.
 
 Without this, the CUDA path's graph breaks show only on a GPU: the CPU path
 never reaches the Triton backend's choice (the fp32 TF32 read that broke every
@@ -38,8 +39,10 @@ def test_every_family_traces_for_cuda_in_one_graph(tmp_path):
     for row in rows:
         attention, conv = BLOCKS[row['model']]
         assert row['status'] == 'ok', row
-        assert row['ops'].get('flatten_mm.triton_attention.default') == attention, row
-        assert row['ops'].get('flatten_mm.triton_conv_add.default', 0) == conv, row
+        assert row['ops'].get('flatten_mm.triton_attention') == attention, row
+        assert row['ops'].get('flatten_mm.triton_conv_add', 0) == conv, row
+        # bf16 autocast really casts in the trace (without a GPU it turns itself off)
+        assert row['attention_dtypes'] == [f'torch.{ {"fp32": "float32", "bf16": "bfloat16"}[row["dtype"]]}'], row
     assert (tmp_path / 'rows.json').exists()
 
 
@@ -52,16 +55,22 @@ def test_a_break_fails_the_run(monkeypatch):
     # the setting read as before the fix: dynamo cannot trace the C getter
     monkeypatch.setattr(dispatch, '_cuda_matmul_is_ieee',
                         lambda: torch.backends.cuda.matmul.fp32_precision == 'ieee')
+    row = tool.trace('flatten-pvt-t', [32, 32], 'fp32', 1)
+    assert row['status'] == 'failed' and 'fp32_precision' in row['error'], row
     with pytest.raises(SystemExit) as exc:
         tool.main(['--models', 'flatten-pvt-t', '--size', '32', '--dtypes', 'fp32',
                    '--batch', '1'])
     assert exc.value.code == 1
 
 
-def test_compiled_on_the_cuda_path_one_graph_per_size():
+def test_compiled_on_the_cuda_path_one_graph_per_size(monkeypatch):
     """Compiled at two sizes and back at the first: two graphs. Nothing on the CUDA
     path is guarded on but the sizes (the conv's first-use check once imported
-    its kernels inside the trace, and the guard on that recompiled every graph)."""
+    its kernels inside the trace, and the guard on that recompiled every graph).
+    The kernels' lazy state as in a fresh process, whatever ran before."""
+    from flatten_mm.models.ops import triton_backend, triton_conv
+    monkeypatch.setattr(triton_backend, '_KERNELS', {})
+    monkeypatch.setattr(triton_conv, '_KERNELS', {})
     tool = load_tool()
     for name in ('flatten-pvt-t', 'flatten-swin-t'):
         row = tool.count_graphs(name, [[64, 96], [64, 80]], 'fp32', 1)

@@ -1,5 +1,5 @@
-"""Trace backbones for CUDA without a GPU: graph breaks, and the ops a compiled
-model's graph holds, on the path CUDA tensors take.
+"""Trace backbones for CUDA without a GPU: graph breaks, recompiles, and the
+ops a compiled model's graph holds, on the path CUDA tensors take.
 
     python tools/analysis_tools/trace_cuda.py --size 800x1333 --dtypes fp32 bf16 \\
         --models flatten-swin-t flatten-pvt-t flatten-pvtv2-b1 flatten-cswin-t \\
@@ -8,35 +8,40 @@ model's graph holds, on the path CUDA tensors take.
 Each model (``benchmark_backbone.py``'s names, ``timm:NAME`` included) is built
 on CPU; its parameters and buffers are then swapped for fake CUDA tensors
 (torch's ``FakeTensorMode``: shapes, dtypes and devices, no memory, no kernel
-run), and dynamo exports its training-mode forward (``torch.export.export``
-with ``strict=True``: one whole graph, or an error naming what broke it),
-under autocast for half dtypes. The code takes the branches a GPU takes:
-``'auto'`` chooses the Triton ops (``flatten_mm::``), whose fake
-implementations give the shapes. Reported per model: whether it traced, the
-graph's ``flatten_mm::`` ops and convolutions, or the error. The exit status
-is 1 if any model fails. With ``--compile-sizes``, each model is also compiled
-(``fullgraph=True``, forward) at those sizes and the first again, and must make
-one graph per distinct size: nothing on the CUDA path guarded on but the
-sizes (a guard on the lazily imported conv kernels once recompiled every graph).
+run), and its training-mode forward is compiled by dynamo with
+``fullgraph=True`` (one graph, or an error naming what broke it), under CUDA
+autocast for half dtypes (made available without a GPU for the trace). The
+code takes the branches a GPU takes: the ``'auto'`` backend chooses the Triton
+ops (``flatten_mm::``), whose fake implementations give the shapes. Reported
+per model: whether it traced, the graph's ``flatten_mm::`` ops and
+convolutions and the dtype the attention ops take, or the error. With
+``--compile-sizes``, each model is also compiled at those sizes and the first
+again, and must make one graph per distinct size: nothing on the CUDA path
+guarded on but the sizes. The exit status is 1 if any model fails.
 
 What it does not show: the kernels themselves (the interpreter tests and
-``kernel_resources.py``), recompilation across sizes, and speed
-(``check_compile.py --device cuda`` on a GPU). A CUDA-only graph break in every
-fp32 layer (the TF32 setting read through a C getter dynamo cannot trace) was
-found this way.
+``kernel_resources.py``), the backward (the autograd engine needs a real GPU),
+and speed (``check_compile.py --device cuda`` on a GPU). Two CUDA-only
+problems were found this way: a graph break in every fp32 layer (the TF32
+setting read through a C getter dynamo cannot trace) and a recompile of every
+graph once the fused conv's kernels were imported.
 """
 import argparse
+import contextlib
 import json
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_backbone import build_model, check_model_names, parse_size  # noqa: E402
+
+from flatten_mm.models.ops import use_backend  # noqa: E402
 
 DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
 
@@ -67,42 +72,20 @@ def to_fake_cuda(model: nn.Module, fake_mode) -> nn.Module:
     return model
 
 
-def graph_ops(program) -> Counter:
-    """Call targets of an exported program, its nested graphs (autocast regions) included."""
-    return Counter(str(n.target) for gm in program.graph_module.modules()
-                   if isinstance(gm, torch.fx.GraphModule)
-                   for n in gm.graph.nodes if n.op == 'call_function')
+@contextlib.contextmanager
+def cuda_autocast_without_gpu():
+    """Let ``torch.autocast('cuda')`` cast without a GPU (it turns itself off
+    where CUDA is not available): the trace then sees the half dtypes a GPU run
+    has. Nothing runs on the fake tensors' device."""
+    with mock.patch('torch.cuda.amp.common.amp_definitely_not_available', lambda: False), \
+            mock.patch('torch.cuda.is_bf16_supported', lambda *args, **kwargs: True):
+        yield
 
 
-def trace(name: str, size: list, dtype: str, batch: int) -> dict:
-    """Export one model's training forward on fake CUDA tensors (see the docstring)."""
+def compile_forward(name: str, sizes: list, dtype: str, batch: int) -> list:
+    """Dynamo's graphs of ``torch.compile(fullgraph=True)`` of one model's
+    training forward on fake CUDA tensors, called at each size in turn."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    start = time.perf_counter()
-    torch.manual_seed(0)
-    model = build_model(name).train()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype)
-    try:
-        model = to_fake_cuda(model, fake_mode)
-        with fake_mode:
-            x = torch.randn(batch, 3, *size, device='cuda')
-            program = torch.export.export(Autocast(model, DTYPES[dtype]), (x, ), strict=True)
-        ops = graph_ops(program)
-        row.update(status='ok', ops={k: v for k, v in sorted(ops.items())
-                                     if 'flatten_mm' in k or 'conv' in k})
-    except Exception as err:  # noqa: BLE001 (reported, and the exit status says so)
-        row.update(status='failed', error=f'{type(err).__name__}: {str(err)[:1500]}')
-    row['seconds'] = round(time.perf_counter() - start, 1)
-    return row
-
-
-def count_graphs(name: str, sizes: list, dtype: str, batch: int) -> dict:
-    """``torch.compile(fullgraph=True)`` of one model's training forward on fake
-    CUDA tensors at each size, then the first again: how many graphs dynamo
-    made (as many as distinct sizes when nothing else is guarded on). Forward
-    only: the autograd engine needs a real GPU."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    torch._dynamo.reset()
     torch.manual_seed(0)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = Autocast(to_fake_cuda(build_model(name).train(), fake_mode), DTYPES[dtype])
@@ -111,15 +94,54 @@ def count_graphs(name: str, sizes: list, dtype: str, batch: int) -> dict:
     def backend(gm, _):
         graphs.append(gm)
         return gm.forward
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        with use_backend('auto'), cuda_autocast_without_gpu(), fake_mode:
+            for size in sizes:
+                compiled(torch.randn(batch, 3, *size, device='cuda'))
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+def graph_ops(gm) -> tuple:
+    """Call targets of a dynamo graph, and the dtypes of the attention ops' inputs."""
+    ops, dtypes = Counter(), set()
+    for node in gm.graph.nodes:
+        if node.op == 'call_function':
+            target = str(node.target)  # flatten_mm.NAME; torch's functions by their name
+            ops[target if 'flatten_mm' in target else getattr(node.target, '__name__', target)] += 1
+            if 'triton_attention' in str(node.target):
+                dtypes.add(str(node.args[0].meta['example_value'].dtype))
+    return ops, dtypes
+
+
+def trace(name: str, size: list, dtype: str, batch: int) -> dict:
+    """One model's forward traced for CUDA (see the module docstring)."""
+    start = time.perf_counter()
+    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype)
+    try:
+        ops, dtypes = graph_ops(compile_forward(name, [size], dtype, batch)[0])
+        row.update(status='ok', attention_dtypes=sorted(dtypes),
+                   ops={k: v for k, v in sorted(ops.items()) if 'flatten_mm' in k or 'conv' in k})
+        if dtypes - {str(DTYPES[dtype])}:
+            row['status'] = f'the attention ops take {sorted(dtypes)}, not {DTYPES[dtype]}'
+    except Exception as err:  # noqa: BLE001 (reported, and the exit status says so)
+        row.update(status='failed', error=f'{type(err).__name__}: {str(err)[:1500]}')
+    row['seconds'] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def count_graphs(name: str, sizes: list, dtype: str, batch: int) -> dict:
+    """Graphs of one model compiled at each size, then the first again: as many
+    as distinct sizes when nothing else is guarded on."""
     row = dict(model=name, sizes=['x'.join(map(str, s)) for s in sizes], dtype=dtype)
     try:
-        with fake_mode:
-            for size in list(sizes) + [sizes[0]]:
-                compiled(torch.randn(batch, 3, *size, device='cuda'))
+        graphs = len(compile_forward(name, list(sizes) + [sizes[0]], dtype, batch))
         distinct = len({tuple(s) for s in sizes})
-        row.update(graphs=len(graphs), status='ok' if len(graphs) <= distinct else
-                   f'{len(graphs)} graphs for {distinct} sizes (TORCH_LOGS=recompiles says why)')
+        row.update(graphs=graphs, status='ok' if graphs <= distinct else
+                   f'{graphs} graphs for {distinct} sizes (TORCH_LOGS=recompiles says why)')
     except Exception as err:  # noqa: BLE001 (reported, and the exit status says so)
         row.update(status='failed', error=f'{type(err).__name__}: {str(err)[:1500]}')
     return row
@@ -150,7 +172,8 @@ def main(argv=None) -> list:
             row = trace(name, args.size, dtype, args.batch)
             rows.append(row)
             print(f"{name} {row['size']} {dtype}: {row['status']} ({row['seconds']} s) "
-                  f"{row.get('ops') or row.get('error')}", flush=True)
+                  f"{row.get('ops') or row.get('error')}, attention in "
+                  f"{row.get('attention_dtypes')}", flush=True)
             if args.compile_sizes:
                 row = count_graphs(name, args.compile_sizes, dtype, args.batch)
                 rows.append(row)

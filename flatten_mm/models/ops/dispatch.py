@@ -133,8 +133,9 @@ def _cuda_matmul_is_ieee() -> bool:
     (``fp32_precision`` is ``'tf32'`` or ``'ieee'`` once either API sets it;
     reading the legacy ``allow_tf32`` after the new API raises). A constant to
     torch.compile: dynamo cannot trace the C getter behind ``fp32_precision``
-    (a graph break in every fp32 CUDA layer), so a compiled graph keeps the
-    setting it was traced with."""
+    (a graph break in every fp32 CUDA layer). Each graph keeps the value it was
+    traced with; dynamo's guard on the global TF32 state recompiles when the
+    setting changes (an exported program keeps it)."""
     matmul = torch.backends.cuda.matmul
     precision = getattr(matmul, 'fp32_precision', 'none')
     if precision in ('tf32', 'ieee'):

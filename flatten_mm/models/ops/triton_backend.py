@@ -95,13 +95,23 @@ def kernels() -> ModuleType:
     return _KERNELS['module']
 
 
+@torch.compiler.assume_constant_result
+def _importable_when_traced() -> bool:
+    """:func:`importable` as a torch.compile trace sees it: the answer so far
+    (whether triton is installed, until an eager call knew better), taken as a
+    constant. Read as a dict lookup, it made dynamo guard on the dict, and an
+    eager call after compiling (a validation step) recompiled every graph."""
+    return _KERNELS.get('importable', AVAILABLE)
+
+
 def importable() -> bool:
     """Whether the kernels import here (triton present and working); asked once,
     by an eager call: inside a torch.compile trace an import would break the
-    graph, so there the answer is whether triton is installed until then."""
+    graph (see :func:`_importable_when_traced`). A graph keeps the answer it was
+    traced with."""
+    if torch.compiler.is_compiling():
+        return _importable_when_traced()
     if 'importable' not in _KERNELS:
-        if torch.compiler.is_compiling():
-            return AVAILABLE
         try:
             kernels()
             _KERNELS['importable'] = True

@@ -141,12 +141,12 @@ def triton_conv_add(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
 def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                          bias: Tensor) -> bool:
     """:func:`.triton_backend.agrees_once` for the fused conv: a configuration is
-    the device, the dtypes of x and the weight, K and C (which sets the channel
-    blocks); the probe takes enough images for a row block to span two of them
+    the device, the dtypes of x and the weight, K, C (which sets the channel
+    blocks) and whether out has prefix rows; the probe takes enough images for a row block to span two of them
     (Swin's 49-token windows), at least one."""
     B, L, C = x.shape
     K = weight.shape[-1]
-    key = ('conv', x.device, x.dtype, weight.dtype, K, C)
+    key = ('conv', x.device, x.dtype, weight.dtype, K, C, out.shape[1] > L)  # prefix rows
     if settled(key):  # (and under compile no kernels import traced: a guard on it
         return True   # recompiled every graph once the kernels ran)
     n = min(B, -(-2 * kernels().conv_plan(1, C).block_p // L))

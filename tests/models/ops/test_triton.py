@@ -175,13 +175,22 @@ def test_auto_falls_back_when_the_first_call_fails(monkeypatch):
 
 def test_auto_choice_compiles_without_importing(monkeypatch):
     """Whether the kernels import is settled by an eager call, never inside a
-    trace (an import there would break a fullgraph compile)."""
+    trace (an import there would break a fullgraph compile); the eager answer
+    arriving later recompiles nothing (a validation step between compiled
+    training steps once recompiled every graph)."""
     monkeypatch.setattr(tb, '_KERNELS', {})
+    graphs = []
+
+    def backend(gm, _):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
     fn = torch.compile(lambda x: x + 1 if tb.importable() else x - 1, fullgraph=True,
-                       backend='eager')
+                       backend=backend)
     assert torch.equal(fn(torch.zeros(2)), torch.ones(2) if tb.AVAILABLE else -torch.ones(2))
     assert 'importable' not in tb._KERNELS and 'module' not in tb._KERNELS
     assert tb.importable() is True and tb._KERNELS['importable'] is True
+    assert torch.equal(fn(torch.zeros(2)), torch.ones(2)) and len(graphs) == 1
 
 
 def op_args(masked):

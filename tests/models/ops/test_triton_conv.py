@@ -227,7 +227,7 @@ def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
         warnings.simplefilter('error')
         got = tc.triton_conv_add(out, x, (5, 7), weight, bias)
         tc.triton_conv_add(out, x, (5, 7), weight, bias)
-    assert tb._AGREED == {('conv', x.device, torch.float32, torch.float32, 5, 24)}
+    assert tb._AGREED == {('conv', x.device, torch.float32, torch.float32, 5, 24, False)}
     assert torch.allclose(got, want, atol=1e-5)
     kernels = tc.kernels()
     real = kernels.conv_add
