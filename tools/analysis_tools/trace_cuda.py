@@ -164,22 +164,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def summary(row: dict) -> str:
+    """One printed line of a :func:`trace` or :func:`count_graphs` row."""
+    if 'sizes' in row:
+        return (f"{row['model']} compiled at {' '.join(row['sizes'])} and the first again, "
+                f"{row['dtype']}: {row.get('graphs')} graphs, {row['status']} "
+                f"{row.get('error', '')}")
+    return (f"{row['model']} {row['size']} {row['dtype']}: {row['status']} ({row['seconds']} s) "
+            f"{row.get('ops') or row.get('error')}, attention in {row.get('attention_dtypes')}")
+
+
 def main(argv=None) -> list:
     args = parse_args(argv)
     rows = []
     for name in args.models:
         for dtype in args.dtypes:
-            row = trace(name, args.size, dtype, args.batch)
-            rows.append(row)
-            print(f"{name} {row['size']} {dtype}: {row['status']} ({row['seconds']} s) "
-                  f"{row.get('ops') or row.get('error')}, attention in "
-                  f"{row.get('attention_dtypes')}", flush=True)
+            checks = [lambda: trace(name, args.size, dtype, args.batch)]
             if args.compile_sizes:
-                row = count_graphs(name, args.compile_sizes, dtype, args.batch)
-                rows.append(row)
-                print(f"{name} compiled at {' '.join(row['sizes'])} and the first again, "
-                      f"{dtype}: {row.get('graphs')} graphs, {row['status']} "
-                      f"{row.get('error', '')}", flush=True)
+                checks.append(lambda: count_graphs(name, args.compile_sizes, dtype, args.batch))
+            for check in checks:
+                rows.append(check())
+                print(summary(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     if any(r['status'] != 'ok' for r in rows):
