@@ -87,12 +87,17 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNELS = {}
 
 
+def lazy_module(state: dict, name: str) -> ModuleType:
+    """Module ``name`` of this package, imported on first use and kept in ``state``
+    (see the module docstring: the interpreter switch is read at import)."""
+    if 'module' not in state:
+        state['module'] = importlib.import_module(f'.{name}', __package__)
+    return state['module']
+
+
 def kernels() -> ModuleType:
-    """The kernels module, imported on first use (see the module docstring)."""
-    if 'module' not in _KERNELS:
-        from . import triton_kernels
-        _KERNELS['module'] = triton_kernels
-    return _KERNELS['module']
+    """The attention kernels module, imported on first use."""
+    return lazy_module(_KERNELS, 'triton_kernels')
 
 
 @torch.compiler.assume_constant_result
@@ -127,7 +132,7 @@ def interpreted() -> bool:
     return os.environ.get('TRITON_INTERPRET', '0') == '1'
 
 
-def _rows(x: Tensor) -> Tensor:
+def channel_rows(x: Tensor) -> Tensor:
     """x with unit channel stride (the kernels take any batch and token strides)."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -137,8 +142,9 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_facto
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out, and the fp32 KV, km and row statistics of q and k that backward takes."""
     check_runnable(q)
-    return tuple(kernels().forward(_rows(q), _rows(k), _rows(v), s_inv.contiguous(),
-                                   focusing_factor, num_heads, key_mask))
+    q, k, v = (channel_rows(x) for x in (q, k, v))
+    return tuple(kernels().forward(q, k, v, s_inv.contiguous(), focusing_factor, num_heads,
+                                   key_mask))
 
 
 def _forward_fake(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
@@ -158,9 +164,9 @@ def _backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Ten
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients for q, k, v and s_inv."""
     check_runnable(q)
-    return tuple(kernels().backward(_rows(grad_out), _rows(q), _rows(k), _rows(v),
-                                    s_inv.contiguous(), kv, km, stats_q, stats_k,
-                                    focusing_factor, num_heads, key_mask))
+    grad_out, q, k, v = (channel_rows(x) for x in (grad_out, q, k, v))
+    return tuple(kernels().backward(grad_out, q, k, v, s_inv.contiguous(), kv, km, stats_q,
+                                    stats_k, focusing_factor, num_heads, key_mask))
 
 
 def _backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
@@ -251,17 +257,27 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
     if d > MAX_HEAD_DIM:
         raise ValueError(f"the 'triton' attention backend takes head widths up to "
                          f'{MAX_HEAD_DIM}, got d={d} (C={q.shape[-1]}, num_heads={num_heads})')
+    return run_guarded(
+        _KERNELS, 'attention backend',
+        lambda: _kernels_op(q, k, v, scale, focusing_factor, num_heads, key_mask),
+        lambda: _agrees_on_first_use(q, k, v, scale, focusing_factor, num_heads, key_mask),
+        lambda: _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask,
+                               overwrite_qk))
+
+
+def run_guarded(state: dict, what: str, ours, agrees, theirs) -> Tensor:
+    """``ours()`` (a Triton op's call), or ``theirs()`` (its PyTorch form) when
+    it fails on its first call (:func:`fall_back_on_first_failure`; ``state``
+    records that it ran) or ``agrees()`` (its first-use check) says it is wrong."""
     try:
-        out = _kernels_op(q, k, v, scale, focusing_factor, num_heads, key_mask)
+        out = ours()
     except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
-        if not fall_back_on_first_failure(err, _KERNELS.get('ran', False), 'attention backend'):
+        if not fall_back_on_first_failure(err, state.get('ran', False), what):
             raise
-        return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
+        return theirs()
     if not torch.compiler.is_compiling():  # no side effect in a traced graph
-        _KERNELS['ran'] = True
-    if not _agrees_on_first_use(q, k, v, scale, focusing_factor, num_heads, key_mask):
-        return _torch_backend(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
-    return out
+        state['ran'] = True
+    return out if agrees() else theirs()
 
 
 def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,

@@ -28,36 +28,27 @@ import torch
 from torch import Tensor
 
 from .conv import register_fused_conv_add, torch_conv_add
-from .triton_backend import (AVAILABLE, DTYPES, agrees_once, check_runnable,
-                             fall_back_on_first_failure, importable, register_op_pair,
-                             settled)
+from .triton_backend import (AVAILABLE, DTYPES, agrees_once, channel_rows, check_runnable,
+                             importable, lazy_module, register_op_pair, run_guarded, settled)
 
 _KERNELS = {}
 
 
 def kernels() -> ModuleType:
-    """The kernels module, imported on first use (see :mod:`.triton_backend`)."""
-    if 'module' not in _KERNELS:
-        from . import triton_conv_kernels
-        _KERNELS['module'] = triton_conv_kernels
-    return _KERNELS['module']
-
-
-def _rows(x: Tensor) -> Tensor:
-    """x with unit channel stride (the kernels take any batch and token strides)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """The conv kernels module, imported on first use."""
+    return lazy_module(_KERNELS, 'triton_conv_kernels')
 
 
 def _add_impl(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int) -> Tensor:
     """out (B, P + H*W, C) with DWC(x) added to its last H*W rows (the grid's;
     P prefix tokens, a class token, are copied)."""
     check_runnable(x)
-    out = _rows(out)
+    out = channel_rows(out)
     P = out.shape[1] - H * W
     result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     if P:
         result[:, :P] = out[:, :P]
-    kernels().conv_add(_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:], (H, W),
+    kernels().conv_add(channel_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:], (H, W),
                        out=result[:, P:])
     return result
 
@@ -70,8 +61,8 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int
                    ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of x, weight and bias."""
     check_runnable(x)
-    ks, x = kernels(), _rows(x)
-    grad = _rows(grad)[:, grad.shape[1] - H * W:]  # the grid's rows
+    ks, x = kernels(), channel_rows(x)
+    grad = channel_rows(grad)[:, grad.shape[1] - H * W:]  # the grid's rows
     grad_x = ks.conv_add(grad, weight.contiguous(), None, None, (H, W), flip=True,
                          dtype=x.dtype)
     grad_w, grad_b = ks.weight_grad(grad, x, weight.shape[-1], (H, W))
@@ -124,26 +115,19 @@ def triton_conv_add(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                     bias: Optional[Tensor]) -> Tensor:
     """``out + DWC(x)`` by the fused op (:func:`.conv.depthwise_conv_add`'s signature)."""
     check_conv_call(out, x, hw, weight, bias)
-    try:
-        result = torch.ops.flatten_mm.triton_conv_add(out, x, weight, bias, hw[0], hw[1])
-    except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
-        if not fall_back_on_first_failure(err, _KERNELS.get('ran', False),
-                                          'depth-wise conv kernel'):
-            raise
-        return torch_conv_add(out, x, hw, weight, bias)
-    if not torch.compiler.is_compiling():  # no side effect in a traced graph
-        _KERNELS['ran'] = True
-    if not _agrees_on_first_use(out, x, hw, weight, bias):
-        return torch_conv_add(out, x, hw, weight, bias)
-    return result
+    return run_guarded(
+        _KERNELS, 'depth-wise conv kernel',
+        lambda: torch.ops.flatten_mm.triton_conv_add(out, x, weight, bias, hw[0], hw[1]),
+        lambda: _agrees_on_first_use(out, x, hw, weight, bias),
+        lambda: torch_conv_add(out, x, hw, weight, bias))
 
 
 def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                          bias: Tensor) -> bool:
     """:func:`.triton_backend.agrees_once` for the fused conv: a configuration is
     the device, the dtypes of x and the weight, K, C (which sets the channel
-    blocks) and whether out has prefix rows; the probe takes enough images for a row block to span two of them
-    (Swin's 49-token windows), at least one."""
+    blocks) and whether out has prefix rows; the probe takes enough images for
+    a row block to span two of them (Swin's 49-token windows), at least one."""
     B, L, C = x.shape
     K = weight.shape[-1]
     key = ('conv', x.device, x.dtype, weight.dtype, K, C, out.shape[1] > L)  # prefix rows
