@@ -1,7 +1,7 @@
 """The depth-wise convolution of V, with a hand-written weight gradient on CPUs,
 and :func:`depthwise_conv_add`, the attention output plus that conv, whose fused
 form (:mod:`.triton_conv`) the attention backend switch chooses."""
-from typing import Callable, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..utils import map_to_tokens, tokens_to_map
-from .dispatch import get_backend
+from .dispatch import backend_of, register_backend
 
 
 class DepthwiseConvFn(torch.autograd.Function):
@@ -65,18 +65,6 @@ def depthwise_conv(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=x.shape[1])
 
 
-# fused forms of depthwise_conv_add by backend name: (function, whether 'auto' takes it)
-_FUSED: Dict[str, Tuple[Callable[..., Tensor], Callable[..., bool]]] = {}
-
-
-def register_fused_conv_add(name: str, fn: Callable[..., Tensor],
-                            supports: Callable[..., bool]) -> None:
-    """Make backend ``name`` (:func:`.dispatch.set_backend`'s names) compute
-    :func:`depthwise_conv_add` by ``fn``; under ``'auto'`` where
-    ``supports(out, x, weight, bias)``."""
-    _FUSED[name] = fn, supports
-
-
 def torch_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
                    bias: Optional[Tensor], inplace: bool = True) -> Tensor:
     """:func:`depthwise_conv_add` by PyTorch ops: the conv on a channels-last view
@@ -95,12 +83,12 @@ def depthwise_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight
     (B, H*W, C) on the (H, W) grid: the attention output plus DWC(V). ``out``
     may hold P prefix tokens first, (B, P + H*W, C): they get no conv term.
 
-    The fused form of the backend in force (:func:`.dispatch.set_backend`) when it
-    has one (``'triton'``; ``'auto'``: for the tensors it supports), else PyTorch
-    ops, adding in place into ``out``.
+    Op ``'conv_add'`` of the backend switch (:func:`.dispatch.set_backend`): a
+    backend's fused form where it has one (``'triton'``, registered with the
+    tensors ``'auto'`` sends it: ``supports(out, x, weight, bias)``), else
+    :func:`torch_conv_add`, adding in place into ``out``.
     """
-    name = get_backend()
-    fused = _FUSED.get('triton' if name == 'auto' else name)
-    if fused is not None and (name != 'auto' or fused[1](out, x, weight, bias)):
-        return fused[0](out, x, hw_shape, weight, bias)
-    return torch_conv_add(out, x, hw_shape, weight, bias)
+    return backend_of('conv_add', out, x, weight, bias)(out, x, hw_shape, weight, bias)
+
+
+register_backend('torch', torch_conv_add, op='conv_add')

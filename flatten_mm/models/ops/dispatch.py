@@ -16,7 +16,9 @@ override says otherwise (:func:`set_backend`, or the environment variable
 
 A backend is a function with :func:`focused_linear_attention`'s signature;
 :func:`register_backend` adds one, with a predicate saying which calls it
-takes under ``'auto'``.
+takes under ``'auto'``. The same switch chooses for the layer's other op,
+``'conv_add'`` (the output plus DWC(V), :func:`.conv.depthwise_conv_add`), whose
+backends are ``'torch'`` and the fused ``'triton'`` (any other name: ``'torch'``).
 """
 import contextlib
 import os
@@ -30,24 +32,28 @@ from .autograd import FocusedLinearAttentionFn
 from .reference import focusing_map, linear_attention
 
 Backend = Callable[..., Tensor]
-Supports = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], int], bool]
+Supports = Callable[..., bool]
 
-_BACKENDS: Dict[str, Backend] = {}
-_AUTO: Dict[str, Supports] = {}  # backends 'auto' may choose, in registration order
+# per op ('attention': the core; 'conv_add': the output plus DWC(V), conv.py),
+# backend name -> function, and the backends 'auto' may choose, in registration order
+_BACKENDS: Dict[str, Dict[str, Backend]] = {}
+_AUTO: Dict[str, Dict[str, Supports]] = {}
 _OVERRIDE = {'name': 'auto'}
 
 
-def register_backend(name: str, fn: Backend, auto: Optional[Supports] = None) -> None:
-    """Add a backend. With ``auto``, ``'auto'`` picks it for calls where
-    ``auto(q, k, v, key_mask, num_heads)`` is True (earlier registrations win)."""
-    _BACKENDS[name] = fn
+def register_backend(name: str, fn: Backend, auto: Optional[Supports] = None,
+                     op: str = 'attention') -> None:
+    """Add backend ``name`` of ``op``. With ``auto``, ``'auto'`` picks it for calls
+    where ``auto(*args)`` is True (``(q, k, v, key_mask, num_heads)`` for the
+    attention; earlier registrations win)."""
+    _BACKENDS.setdefault(op, {})[name] = fn
     if auto is not None:
-        _AUTO[name] = auto
+        _AUTO.setdefault(op, {})[name] = auto
 
 
 def available_backends() -> tuple:
-    """Names :func:`set_backend` takes."""
-    return ('auto', ) + tuple(_BACKENDS)
+    """Names :func:`set_backend` takes (the attention core's backends)."""
+    return ('auto', ) + tuple(_BACKENDS['attention'])
 
 
 def set_backend(name: str) -> None:
@@ -74,16 +80,26 @@ def use_backend(name: str) -> Iterator[None]:
         _OVERRIDE['name'] = previous
 
 
+def choose(op: str, *args) -> str:
+    """The backend of ``op`` a call with these arguments runs on: the override,
+    or under ``'auto'`` the first backend that supports them; ``'torch'`` where
+    the op has no backend of the override's name."""
+    name = _OVERRIDE['name']
+    if name == 'auto':
+        return next((c for c, supports in _AUTO.get(op, {}).items() if supports(*args)),
+                    'torch')
+    return name if name in _BACKENDS[op] else 'torch'
+
+
+def backend_of(op: str, *args) -> Backend:
+    """The function :func:`choose` picks."""
+    return _BACKENDS[op][choose(op, *args)]
+
+
 def choose_backend(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
                    num_heads: int) -> str:
-    """The backend a call with these tensors runs on."""
-    name = _OVERRIDE['name']
-    if name != 'auto':
-        return name
-    for candidate, supports in _AUTO.items():
-        if supports(q, k, v, key_mask, num_heads):
-            return candidate
-    return 'torch'
+    """The attention backend a call with these tensors runs on."""
+    return choose('attention', q, k, v, key_mask, num_heads)
 
 
 def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
@@ -105,8 +121,8 @@ def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
     Returns:
         Tensor: (B, N, C) in v's dtype.
     """
-    name = choose_backend(q, k, v, key_mask, num_heads)
-    return _BACKENDS[name](q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
+    fn = backend_of('attention', q, k, v, key_mask, num_heads)
+    return fn(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
 
 
 def in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args) -> Tensor:

@@ -27,7 +27,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .conv import register_fused_conv_add, torch_conv_add
+from .conv import torch_conv_add
+from .dispatch import register_backend
 from .triton_backend import (AVAILABLE, DTYPES, agrees_once, channel_rows, check_runnable,
                              importable, lazy_module, register_op_pair, run_guarded, settled)
 
@@ -150,4 +151,4 @@ def supports(out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> 
 if AVAILABLE:  # flatten_mm::triton_conv_add and ::triton_conv_add_backward
     register_op_pair('triton_conv_add', (_add_impl, _add_fake), (_backward_impl, _backward_fake),
                      (_backward, _setup_context))
-    register_fused_conv_add('triton', triton_conv_add, supports)
+    register_backend('triton', triton_conv_add, auto=supports, op='conv_add')

@@ -77,7 +77,7 @@ def test_module_forward_goes_through_the_switch():
     m = FocusedLinearAttention(8, 2, pos_grid=(3, 4)).double()
     x = torch.randn(2, 12, 8, dtype=torch.float64)
     calls = []
-    original = ops.dispatch._BACKENDS['reference']
+    original = ops.dispatch._BACKENDS['attention']['reference']
     ops.register_backend('reference', lambda *a: calls.append(1) or original(*a))
     try:
         with use_backend('reference'):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from flatten_mm.models import FocusedLinearAttention
 from flatten_mm.models.ops import depthwise_conv_add, use_backend
 from flatten_mm.models.ops import triton_backend as tb
-from flatten_mm.models.ops import conv as conv_module
+from flatten_mm.models.ops import dispatch
 from flatten_mm.models.ops import triton_conv as tc
 
 pytestmark = pytest.mark.skipif(not tb.AVAILABLE, reason='triton does not import')
@@ -110,7 +110,7 @@ def test_torch_path_in_place_and_choice(monkeypatch):
     # the interpreter standing in for a GPU 'auto' supports (first-use state isolated)
     monkeypatch.setattr(tb, '_AGREED', set())
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
-    monkeypatch.setitem(conv_module._FUSED, 'triton', (tc.triton_conv_add, lambda *a: True))
+    monkeypatch.setitem(dispatch._AUTO['conv_add'], 'triton', lambda *a: True)
     with use_backend('auto'):
         got = depthwise_conv_add(out, x, (5, 7), weight, bias)
     assert got is not out and torch.allclose(got, want, atol=1e-5)
