@@ -34,12 +34,18 @@ def load_config(args) -> Config:
     return cfg
 
 
-def end_distributed() -> None:
+def end_distributed(finished: bool = False) -> None:
     """Destroy the process group a distributed launch made, if any, before the
     interpreter exits: left to interpreter teardown, gloo's worker threads can
     abort the process ("terminate called without an active exception", exit
-    code -6) after the run has finished and saved everything."""
+    code -6) after the run has finished and saved everything.
+
+    ``finished``: the run ended normally on this rank, so every rank reaches
+    this point; a barrier first lets no rank tear its connections down while
+    another still completes the last collective (after a failure, a barrier
+    could wait on a rank that never comes, so there is none)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
-

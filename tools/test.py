@@ -47,10 +47,12 @@ def main(argv=None):
         else:  # mmseg's hook draws through the visualizer's save_dir
             cfg.visualizer.save_dir = osp.join(cfg.work_dir, args.show_dir)
     runner = Runner.from_cfg(cfg)
+    finished = False
     try:
         metrics = runner.test()
+        finished = True
     finally:
-        end_distributed()
+        end_distributed(finished)
     if args.metrics_out:
         import json
         with open(args.metrics_out, 'w') as f:

@@ -53,10 +53,12 @@ def build_config(args):
 def main(argv=None):
     args = parse_args(argv)
     runner = Runner.from_cfg(build_config(args))
+    finished = False
     try:
         runner.train()
+        finished = True
     finally:
-        end_distributed()
+        end_distributed(finished)
 
 
 if __name__ == '__main__':

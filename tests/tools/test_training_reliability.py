@@ -100,9 +100,28 @@ def test_checkpoint_holds_random_state_and_loads_with_mmengine(shapes, tmp_path)
                                ckpt['state_dict']['backbone.pos_embed1'])
 
 
-def torchrun(nproc, *args, cwd, port):
-    return run('-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
-               f'--master_port={port}', *args, cwd=cwd, env=dict(OMP_NUM_THREADS='1'))
+TEARDOWN_ABORT = 'terminate called without an active exception'
+
+
+def torchrun(nproc, *args, cwd):
+    """A torchrun launch of ``nproc`` processes; the output. Python's fault
+    handler prints every thread's stack if a process aborts. A launch that
+    finished (rank 0 logged its last checkpoint) but one of whose processes
+    then aborted in C++ teardown (seen twice in CI, before the barrier in
+    tools/common.py; never in 90 launches on this machine) is launched once
+    more, saying so; any other failure, or the same twice, fails the test."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}']
+    env = dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1', PYTHONFAULTHANDLER='1')
+    for attempt in (1, 2):
+        proc = subprocess.run([*cmd, f'--master_port={free_port()}', *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=900)
+        log = proc.stdout + proc.stderr
+        finished = 'Saving checkpoint at' in log
+        if proc.returncode == 0 or attempt == 2 or TEARDOWN_ABORT not in log or not finished:
+            break
+        print(f'torchrun: a rank aborted in teardown after the run finished; again:\n{log[-3000:]}')
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return log
 
 
 def test_two_process_training_matches_one_process(shapes, tmp_path):
@@ -121,7 +140,7 @@ def test_two_process_training_matches_one_process(shapes, tmp_path):
     run(TRAIN, SEG, '--work-dir', single, *opts, cwd=ROOT, env=dict(OMP_NUM_THREADS='2'))
     dist = str(tmp_path / 'dist')
     log = torchrun(2, TRAIN, SEG, '--launcher', 'pytorch', '--work-dir', dist, *opts,
-                   'train_dataloader.batch_size=2', cwd=ROOT, port=free_port())
+                   'train_dataloader.batch_size=2', cwd=ROOT)
     assert 'Distributed launcher: pytorch' in log and 'GPU number: 2' in log  # = processes
     worst = assert_same_weights(weights(osp.join(single, f'iter_{iters}.pth')),
                                 weights(osp.join(dist, f'iter_{iters}.pth')), atol=1e-4)
@@ -135,7 +154,7 @@ def test_detection_demo_runs_distributed(shapes, tmp_path):
     log = torchrun(2, TRAIN, DET, '--launcher', 'pytorch', '--work-dir', work,
                    *det_options(shapes, 2), 'train_dataloader.batch_size=2',
                    'find_unused_parameters=False',
-                   'model.train_cfg.rpn_proposal.max_per_img=100', cwd=ROOT, port=free_port())
+                   'model.train_cfg.rpn_proposal.max_per_img=100', cwd=ROOT)
     assert 'Distributed launcher: pytorch' in log and 'GPU number: 2' in log
     assert len(losses(log)) == 2 and osp.exists(osp.join(work, 'iter_2.pth'))
     assert 'coco/bbox_mAP' in log
@@ -182,28 +201,42 @@ def test_mmseg_own_train_script_trains_our_segmentation_config(shapes, tmp_path)
 def test_train_and_test_scripts_end_the_process_group(monkeypatch):
     """tools/train.py and tools/test.py destroy the process group of a
     distributed launch when the run ends (left to interpreter exit, gloo's
-    threads can abort a finished run with exit code -6), even if it failed."""
+    threads can abort a finished run with exit code -6), even if it failed;
+    after a finished run, only once every rank got there (a barrier), never
+    after a failure (the other ranks may never come)."""
     import torch.distributed as dist
     monkeypatch.syspath_prepend(osp.join(ROOT, 'tools'))
     import common
     import train
 
-    class Failing:
-        def train(self):
-            raise RuntimeError('the run failed')
+    class Run:
+        def __init__(self, fails):
+            self.fails = fails
 
-    monkeypatch.setattr(train.Runner, 'from_cfg', staticmethod(lambda cfg: Failing()))
+        def train(self):
+            if self.fails:
+                raise RuntimeError('the run failed')
+
+    barriers = []
+    real_barrier = dist.barrier
+    monkeypatch.setattr(dist, 'barrier', lambda *a, **k: barriers.append(1) or real_barrier())
     monkeypatch.setattr(train, 'build_config', lambda args: None)
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}',
-                            rank=0, world_size=1)
-    try:
-        with pytest.raises(RuntimeError, match='the run failed'):
-            train.main([SEG])
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    common.end_distributed()  # no process group: nothing to do
+    for fails in (True, False):
+        monkeypatch.setattr(train.Runner, 'from_cfg', staticmethod(lambda cfg: Run(fails)))
+        dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}',
+                                rank=0, world_size=1)
+        try:
+            if fails:
+                with pytest.raises(RuntimeError, match='the run failed'):
+                    train.main([SEG])
+            else:
+                train.main([SEG])
+            assert not dist.is_initialized()
+            assert len(barriers) == (0 if fails else 1)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    common.end_distributed(True)  # no process group: nothing to do
 
 
 def test_compile_trains_the_demo_mask_rcnn(shapes, tmp_path):
