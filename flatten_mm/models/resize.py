@@ -62,7 +62,10 @@ def resize_parts(tokens: Tensor, src: HWShape, dst: HWShape,
     rows, cols = resize_weights(src, dst, tokens) if weights is None else weights
     grid = tokens.reshape(B, src[0], src[1], C)
     if cols is not None:
-        grid = torch.matmul(cols, grid)  # (B, h, W, C)
+        # in the tokens' dtype, as F.interpolate: autocast would round an fp32
+        # parameter's resized copy to half
+        with torch.autocast(device_type=tokens.device.type, enabled=False):
+            grid = torch.matmul(cols, grid)  # (B, h, W, C)
     return rows, grid.reshape(B, src[0], dst[1] * C)
 
 
@@ -74,7 +77,8 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     if tuple(src) == tuple(dst):
         return tokens
     rows, cols = resize_parts(tokens, src, dst)
-    out = cols if rows is None else torch.matmul(rows, cols)
+    with torch.autocast(device_type=tokens.device.type, enabled=False):  # as resize_parts
+        out = cols if rows is None else torch.matmul(rows, cols)
     return out.reshape(tokens.shape[0], dst[0] * dst[1], tokens.shape[-1])
 
 
@@ -82,16 +86,20 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
                 inplace: bool = False) -> Tensor:
     """``x + R @ G`` for ``parts = resize_parts(...)`` and x (B, H*W, C), in
     place or not: the resized tokens themselves are never made (one pass over
-    x instead of three)."""
+    x instead of three). The sum is in x's dtype, autocast or not, as
+    ``x + resized`` would be: autocast would make an fp32 x's out-of-place sum
+    half (under CUDA autocast, LayerNorm's fp32 output turned PVT's and
+    DeiT's residual stream half from the position embedding on)."""
     rows, cols = parts
     B = x.shape[0]
     cols = cols.to(x.dtype)  # x may be half (autocast): the parts follow it
     x3 = x.view(B, -1, cols.shape[-1])
-    if rows is None:
-        out = x3.add_(cols) if inplace else x3 + cols
-    else:
-        args = (rows.to(x.dtype).expand(B, -1, -1), cols.expand(B, -1, -1))
-        out = x3.baddbmm_(*args) if inplace else torch.baddbmm(x3, *args)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        if rows is None:
+            out = x3.add_(cols) if inplace else x3 + cols
+        else:
+            args = (rows.to(x.dtype).expand(B, -1, -1), cols.expand(B, -1, -1))
+            out = x3.baddbmm_(*args) if inplace else torch.baddbmm(x3, *args)
     return out.view(x.shape)
 
 
