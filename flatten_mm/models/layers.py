@@ -98,7 +98,9 @@ class DropPath(nn.Module):
     ``drop_path(x, residual)`` is ``residual + drop_path(x)`` in one pass
     (``addcmul`` with the per-sample scale) instead of three. The blocks pass
     their branch's own output as x: when no gradient is recorded it takes the
-    sum in place (no new buffer).
+    sum in place (no new buffer), unless the sum's dtype is not x's (a half
+    branch added to an fp32 stream under autocast: the sum stays fp32, as in
+    training and as ``residual + x`` is).
 
     Under torch.compile the rate is read from the ``keep_prob`` buffer (not
     saved in checkpoints), a tensor, instead of the Python float: the blocks'
@@ -131,7 +133,9 @@ class DropPath(nn.Module):
         if not self.training or (not compiling and self.drop_prob == 0.):
             if residual is None:
                 return x
-            return x.add_(residual) if not torch.is_grad_enabled() else residual + x
+            in_place = (not torch.is_grad_enabled()
+                        and torch.promote_types(x.dtype, residual.dtype) == x.dtype)
+            return x.add_(residual) if in_place else residual + x
         keep = self.keep_prob.to(x.dtype) if compiling else 1 - self.drop_prob
         scale = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
         return x * scale if residual is None else torch.addcmul(residual, x, scale)

@@ -86,19 +86,21 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
                 inplace: bool = False) -> Tensor:
     """``x + R @ G`` for ``parts = resize_parts(...)`` and x (B, H*W, C), in
     place or not: the resized tokens themselves are never made (one pass over
-    x instead of three). The sum is in x's dtype, autocast or not, as
-    ``x + resized`` would be: autocast would make an fp32 x's out-of-place sum
-    half (under CUDA autocast, LayerNorm's fp32 output turned PVT's and
-    DeiT's residual stream half from the position embedding on)."""
+    x instead of three). Out of place, the sum has the dtype of
+    ``x + resized``, autocast or not: a half x plus an fp32 embedding is fp32
+    (the residual stream stays fp32 under autocast, as in the official
+    models), and autocast does not make the fused ``baddbmm`` half. In place
+    (a half k plus its positional encoding), it keeps x's dtype."""
     rows, cols = parts
     B = x.shape[0]
-    cols = cols.to(x.dtype)  # x may be half (autocast): the parts follow it
-    x3 = x.view(B, -1, cols.shape[-1])
+    dtype = x.dtype if inplace else torch.promote_types(x.dtype, cols.dtype)
+    cols = cols.to(dtype)
+    x3 = x.view(B, -1, cols.shape[-1]).to(dtype)
     with torch.autocast(device_type=x.device.type, enabled=False):
         if rows is None:
             out = x3.add_(cols) if inplace else x3 + cols
         else:
-            args = (rows.to(x.dtype).expand(B, -1, -1), cols.expand(B, -1, -1))
+            args = (rows.to(dtype).expand(B, -1, -1), cols.expand(B, -1, -1))
             out = x3.baddbmm_(*args) if inplace else torch.baddbmm(x3, *args)
     return out.view(x.shape)
 

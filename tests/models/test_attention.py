@@ -205,20 +205,26 @@ def test_resize_tokens_equals_bilinear_interpolate(src, dst):
 
 
 @pytest.mark.parametrize('dst', [(6, 5), (4, 5)])  # rows resized or not: baddbmm or add
-@pytest.mark.parametrize('inplace', [False, True])
-def test_add_resized_keeps_x_dtype_under_autocast(dst, inplace):
-    """x + the resized fp32 parameter, under bf16 autocast, for an fp32 x (on
-    CUDA, LayerNorm's output): as ``x + F.interpolate(...)``, fp32 and unrounded.
+@pytest.mark.parametrize('x_dtype,inplace', [(torch.float32, False), (torch.float32, True),
+                                             (torch.bfloat16, False)])
+def test_add_resized_under_autocast_as_x_plus_interpolate(dst, x_dtype, inplace):
+    """x + the resized fp32 parameter under bf16 autocast, as
+    ``x + F.interpolate(...)``: fp32 (a bf16 x is promoted, as PVT's and
+    DeiT's residual stream is in the official models) and unrounded.
     Before: the resized copy rounded to bf16 (error up to 9e-3 for N(0, 1)
-    values), and the out-of-place sum with resized rows bf16 (1.4e-2)."""
+    values), the out-of-place sum with resized rows bf16 (1.4e-2), and a
+    bf16 x's sum bf16. In place (k plus its encoding) x keeps its dtype."""
     from flatten_mm.models.resize import add_resized, resize_parts
     pos = torch.randn(1, 4 * 7, 8)
-    x = torch.randn(2, dst[0] * dst[1], 8)
+    x = torch.randn(2, dst[0] * dst[1], 8).to(x_dtype)
     grid = pos.transpose(1, 2).reshape(1, 8, 4, 7)
-    want = x + F.interpolate(grid, size=dst, mode='bilinear',
-                             align_corners=False).flatten(2).transpose(1, 2)
+    want = x.float() + F.interpolate(grid, size=dst, mode='bilinear',
+                                     align_corners=False).flatten(2).transpose(1, 2)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         parts = resize_parts(pos, (4, 7), dst)
         got = add_resized(x.clone(), parts, inplace=inplace)
     assert parts[1].dtype == got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, dst[0] * dst[1], 8, dtype=torch.bfloat16)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert add_resized(x, parts, inplace=True).dtype == torch.bfloat16

@@ -26,6 +26,20 @@ def test_drop_path_with_residual_is_one_fused_sum():
 
 
 @pytest.mark.parametrize('grad', [True, False])
+def test_drop_path_sum_has_the_dtype_of_residual_plus_branch(grad):
+    """A bf16 branch (autocast's linear) on an fp32 stream (autocast's
+    LayerNorm on CUDA): the sum stays fp32 with or without gradients, as
+    ``residual + x``; in place, inference made the stream bf16 from the first
+    block on, unlike training and the official models."""
+    res, x = torch.randn(2, 5, 3), torch.randn(2, 5, 3).bfloat16()
+    dp = DropPath(0.1).eval()
+    with torch.set_grad_enabled(grad):
+        out = dp(x, res)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, res + x)
+
+
+@pytest.mark.parametrize('grad', [True, False])
 def test_mlp_chunked_path_equals_plain(grad):
     torch.manual_seed(0)
     mlp = Mlp(8, 32)

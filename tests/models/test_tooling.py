@@ -211,19 +211,19 @@ class Bf16Autocast(torch.nn.Module):
 @pytest.mark.parametrize('kind', sorted(BACKBONES))
 def test_torch_export_keeps_autocast_inside_forward(kind):
     """Exported with autocast in its forward, the program runs without one
-    and gives the eager autocast outputs, in bf16 (the casts were recorded,
-    the attention's fp32 region too). Measured: equal, every family; bound:
-    one bf16 step of the largest value, should a decomposed op round in
-    another order."""
+    and gives the eager autocast outputs, in their dtypes (bf16, or fp32 where
+    the residual stream is fp32: PVT and DeiT add an fp32 position
+    embedding), so the casts were recorded, the attention's fp32 region too.
+    Measured: equal, every family, where autocast's outputs differ from
+    fp32's by 9e-3 to 4e-2; bound 1e-3."""
     model = Bf16Autocast(backbone(kind).eval())
     x = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
     program = torch.export.export(model, (x,))
     x = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for a, b in zip(program.module()(x), model(x)):
-            assert a.dtype == b.dtype == torch.bfloat16
-            step = 2.0 ** -7 * b.float().abs().max().item()
-            torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=step)
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
 
 
 def test_onnx_export_runs_in_onnxruntime(tmp_path):
