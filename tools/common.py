@@ -44,8 +44,10 @@ def end_distributed(finished: bool = False) -> None:
     this point; a barrier first lets no rank tear its connections down while
     another still completes the last collective (after a failure, a barrier
     could wait on a rank that never comes, so there is none)."""
+    import torch
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
-        if finished:
-            dist.barrier()
+        if finished:  # NCCL's barrier is told the device, or it guesses
+            nccl = dist.get_backend() == 'nccl'
+            dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
         dist.destroy_process_group()

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .utils import HWShape, inference_cached, param_cached
+from .utils import HWShape, autocast_off, inference_cached, param_cached
 
 
 def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
@@ -64,7 +64,7 @@ def resize_parts(tokens: Tensor, src: HWShape, dst: HWShape,
     if cols is not None:
         # in the tokens' dtype, as F.interpolate: autocast would round an fp32
         # parameter's resized copy to half
-        with torch.autocast(device_type=tokens.device.type, enabled=False):
+        with autocast_off(tokens.device.type):
             grid = torch.matmul(cols, grid)  # (B, h, W, C)
     return rows, grid.reshape(B, src[0], dst[1] * C)
 
@@ -77,7 +77,7 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     if tuple(src) == tuple(dst):
         return tokens
     rows, cols = resize_parts(tokens, src, dst)
-    with torch.autocast(device_type=tokens.device.type, enabled=False):  # as resize_parts
+    with autocast_off(tokens.device.type):  # as resize_parts
         out = cols if rows is None else torch.matmul(rows, cols)
     return out.reshape(tokens.shape[0], dst[0] * dst[1], tokens.shape[-1])
 
@@ -86,8 +86,8 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
                 inplace: bool = False) -> Tensor:
     """``x + R @ G`` for ``parts = resize_parts(...)`` and x (B, H*W, C), in
     place or not: the resized tokens themselves are never made (one pass over
-    x instead of three). Out of place, the sum has the dtype of
-    ``x + resized``, autocast or not: a half x plus an fp32 embedding is fp32
+    x instead of three; two where x is promoted). Out of place, the sum has
+    the dtype of ``x + resized``, autocast or not: a half x plus an fp32 embedding is fp32
     (the residual stream stays fp32 under autocast, as in the official
     models), and autocast does not make the fused ``baddbmm`` half. In place
     (a half k plus its positional encoding), it keeps x's dtype."""
@@ -95,8 +95,10 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
     B = x.shape[0]
     dtype = x.dtype if inplace else torch.promote_types(x.dtype, cols.dtype)
     cols = cols.to(dtype)
-    x3 = x.view(B, -1, cols.shape[-1]).to(dtype)
-    with torch.autocast(device_type=x.device.type, enabled=False):
+    x3 = x.view(B, -1, cols.shape[-1])
+    if x3.dtype != dtype:  # promoted: a new tensor, which the sum can go into
+        x3, inplace = x3.to(dtype), True
+    with autocast_off(x.device.type):
         if rows is None:
             out = x3.add_(cols) if inplace else x3 + cols
         else:

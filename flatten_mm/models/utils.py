@@ -2,6 +2,7 @@
 <-> map layouts, padding and stage grids, PVT's key reduction, the image-size
 specialisation under torch.compile and the inference caches."""
 import collections
+import contextlib
 import math
 import numbers
 import operator
@@ -142,6 +143,15 @@ def param_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...]
     value = make()
     _store(cache, full, (value, tuple(p.detach().clone() for p in params)))
     return value
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off for ``device_type``; nothing to turn off
+    where there is no autocast (the meta device: ``torch.autocast`` raises
+    there even when disabled)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:

@@ -228,3 +228,14 @@ def test_add_resized_under_autocast_as_x_plus_interpolate(dst, x_dtype, inplace)
     x = torch.randn(2, dst[0] * dst[1], 8, dtype=torch.bfloat16)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         assert add_resized(x, parts, inplace=True).dtype == torch.bfloat16
+
+
+def test_resize_runs_on_the_meta_device():
+    """Shapes without data (meta tensors), where torch.autocast cannot even be
+    turned off: the resize and the sum keep working."""
+    from flatten_mm.models.resize import add_resized, resize_parts
+    pos = torch.randn(1, 4 * 7, 8, device='meta')
+    assert resize_tokens(pos, (4, 7), (6, 5)).shape == (1, 30, 8)
+    x = torch.randn(2, 30, 8, device='meta', dtype=torch.bfloat16)
+    out = add_resized(x, resize_parts(pos, (4, 7), (6, 5)))
+    assert out.shape == (2, 30, 8) and out.dtype == torch.float32

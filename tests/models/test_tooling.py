@@ -208,14 +208,14 @@ class Bf16Autocast(torch.nn.Module):
             return self.model(x)
 
 
-@pytest.mark.parametrize('kind', sorted(BACKBONES))
+@pytest.mark.parametrize('kind', ['pvt', 'swin'])  # an fp32 and a bf16 residual stream
 def test_torch_export_keeps_autocast_inside_forward(kind):
     """Exported with autocast in its forward, the program runs without one
     and gives the eager autocast outputs, in their dtypes (bf16, or fp32 where
     the residual stream is fp32: PVT and DeiT add an fp32 position
     embedding), so the casts were recorded, the attention's fp32 region too.
-    Measured: equal, every family, where autocast's outputs differ from
-    fp32's by 9e-3 to 4e-2; bound 1e-3."""
+    Measured: equal, every family (PVTv2, CSwin, DeiT too), where autocast's
+    outputs differ from fp32's by 9e-3 to 4e-2; bound 1e-3."""
     model = Bf16Autocast(backbone(kind).eval())
     x = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
     program = torch.export.export(model, (x,))
