@@ -40,10 +40,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_backbone import build_model, check_model_names, parse_size  # noqa: E402
+from check_compile import DTYPES  # noqa: E402
 
 from flatten_mm.models.ops import use_backend  # noqa: E402
-
-DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
 
 
 class Autocast(nn.Module):

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..utils import autocast_off
 from .reference import EPS
 
 
@@ -225,7 +226,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         # the forward ran without autocast (fp32 sums); a backward called
         # inside an autocast region must not cast its products to half
-        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+        with autocast_off(grad_out.device.type):
             return FocusedLinearAttentionFn._backward(ctx, grad_out)
 
     @staticmethod

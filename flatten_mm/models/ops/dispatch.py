@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..utils import autocast_off
 from .autograd import FocusedLinearAttentionFn
 from .reference import focusing_map, linear_attention
 
@@ -132,7 +133,7 @@ def in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args) -
     under half precision."""
     dtype = v.dtype
     ct = torch.promote_types(dtype, torch.float32)
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with autocast_off(q.device.type):
         out = fn(q.to(ct), k.to(ct), v.to(ct), *args)
     return out.to(dtype)
 

@@ -70,6 +70,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..utils import autocast_off
 from .dispatch import (_torch_backend, exact_fp32, focusing_scale, get_backend,
                        register_backend)
 
@@ -283,7 +284,7 @@ def run_guarded(state: dict, what: str, ours, agrees, theirs) -> Tensor:
 def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                 num_heads: int, key_mask: Optional[Tensor] = None) -> Tensor:
     """The forward op, with s_inv made from ``scale`` by differentiable PyTorch ops."""
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with autocast_off(q.device.type):
         s_inv = 1.0 / focusing_scale(scale, torch.float32)
     return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
                                                  int(num_heads), key_mask)[0]

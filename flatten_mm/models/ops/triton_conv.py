@@ -88,8 +88,6 @@ def _backward(ctx: Any, grad: Tensor) -> tuple:
     return (grad, ) + tuple(grads) + (None, None)
 
 
-
-
 def check_conv_call(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                     bias: Optional[Tensor]) -> None:
     """ValueError naming the value unless x is (B, H*W, C) and out (B, P + H*W, C)

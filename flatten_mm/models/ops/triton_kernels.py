@@ -509,16 +509,16 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
     """
     bd = max(16, triton.next_power_of_2(d))
     exact = exact_fp32(dtype)
-    TILING = tiling()
+    override = tiling()
     if INTERPRETED:
         block_n, per = 16, 2
     else:
-        block_n = TILING.get('block') or (max(16, 1024 // bd) if exact else
+        block_n = override.get('block') or (max(16, 1024 // bd) if exact else
                                           32 if bd > 64 else 4096 // bd)
         if backward:
-            block_n = TILING.get('bwd_block') or max(16, block_n // 2)
+            block_n = override.get('bwd_block') or max(16, block_n // 2)
         blocks = triton.cdiv(tokens, block_n)
-        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(TILING.get('per_sm', 4) * sms,
+        per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(override.get('per_sm', 4) * sms,
                                                             bh))))
     chunks = max(1, triton.cdiv(tokens, block_n * per))
     # bf16 operands for bf16 (fp32's exponent range); fp16 inputs get tf32 dots
@@ -526,7 +526,7 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
     # p leave it). tl.dot on bf16 is wrong under the interpreter: fp32 there.
     bf16 = dtype == torch.bfloat16 and not INTERPRETED
     return Plan(block_n, per, chunks, bd, tl.bfloat16 if bf16 else tl.float32,
-                'ieee' if exact else 'tf32', TILING.get('warps', NUM_WARPS))
+                'ieee' if exact else 'tf32', override.get('warps', NUM_WARPS))
 
 
 def row_stats(x: Tensor, s_inv: Tensor, p: float, launch: bool = True) -> Tensor:
