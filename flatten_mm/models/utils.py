@@ -149,9 +149,17 @@ def autocast_off(device_type: str):
     """A context with autocast off for ``device_type``; nothing to turn off
     where there is no autocast (the meta device: ``torch.autocast`` raises
     there even when disabled)."""
-    if torch.amp.is_autocast_available(device_type):
+    if has_autocast(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+@torch.compiler.assume_constant_result
+def has_autocast(device_type: str) -> bool:
+    """Whether ``device_type`` has autocast; a constant to torch.compile (the
+    dynamo of torch 2.11, the GPU image's, cannot trace the C function behind
+    it: a graph break in every attention layer)."""
+    return torch.amp.is_autocast_available(device_type)
 
 
 def tokens_to_map(x: Tensor, hw_shape: HWShape) -> Tensor:

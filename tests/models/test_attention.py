@@ -239,3 +239,21 @@ def test_resize_runs_on_the_meta_device():
     x = torch.randn(2, 30, 8, device='meta', dtype=torch.bfloat16)
     out = add_resized(x, resize_parts(pos, (4, 7), (6, 5)))
     assert out.shape == (2, 30, 8) and out.dtype == torch.float32
+
+
+def test_layer_compiles_whole_where_dynamo_cannot_trace_the_autocast_query(monkeypatch):
+    """The dynamo of torch 2.11 (the GPU image's) cannot trace
+    ``torch.amp.is_autocast_available``; the layer asks it before each
+    autocast-off region, so the answer must reach the graph as a constant:
+    with the query hidden from dynamo, fullgraph still holds under autocast
+    (resized positional encoding, reduced keys) and equals eager."""
+    available = torch.amp.is_autocast_available
+    monkeypatch.setattr(torch.amp, 'is_autocast_available', torch._dynamo.disable(available))
+    layer = FocusedLinearAttention(16, 2, sr_ratio=2, pos_grid=3).train()
+    x = torch.randn(2, 7 * 9, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend='eager')
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        want, got = layer(x, (7, 9)), compiled(x, (7, 9))
+    torch.testing.assert_close(got, want)
+    assert got.dtype == torch.bfloat16
