@@ -79,10 +79,13 @@ def _inference_cache(module: nn.Module):
     """``module``'s inference cache (an OrderedDict), or None when nothing may
     be cached: in training (which drops the cache), with gradients recorded,
     while compiling or tracing."""
-    if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling() \
-            or torch.jit.is_tracing() or is_fx_symbolic_tracing():
-        if module.training:
-            module.__dict__.pop('_eval_cache', None)
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or is_fx_symbolic_tracing():
+        return None  # first: a trace must not touch the module's __dict__ (torch 2.11's
+        # dynamo cannot trace its pop, a graph break in every attention layer)
+    if module.training:
+        module.__dict__.pop('_eval_cache', None)
+        return None
+    if torch.is_grad_enabled():
         return None
     return module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
 

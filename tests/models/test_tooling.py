@@ -115,6 +115,38 @@ def test_compiled_training_step_equals_eager(kind, backend):
     assert_grads_close(got_grads, want_grads, 1e-4)
 
 
+def test_compiled_training_leaves_the_inference_caches_alone():
+    """A trace neither drops nor fills a layer's inference cache: the dynamo of
+    torch 2.11 (the GPU image's) cannot trace the module-dict operations behind
+    it (a graph break in every attention layer). The eager inference cache,
+    whose entries are checked against the weights on use, is still there after
+    compiled training, and the compiled step equals eager."""
+    model = backbone('pvt').eval()
+    x = torch.randn(1, 3, 45, 77)
+    with torch.no_grad():
+        model(x)
+    caches = {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
+              if '_eval_cache' in m.__dict__}
+    assert caches
+    model.train()
+    want, want_grads = loss_and_grads(model, x)
+    caches = {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
+              if '_eval_cache' in m.__dict__}  # eager training drops them
+    assert not caches
+    with torch.no_grad():
+        model.eval()(x)
+    caches = {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
+              if '_eval_cache' in m.__dict__}
+    torch._dynamo.reset()
+    compiled = torch.compile(model.train(), fullgraph=True, backend='eager')
+    got, got_grads = loss_and_grads(compiled, x)
+    assert all(model.get_submodule(n).__dict__.get('_eval_cache') is cache
+               for n, cache in caches.items())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_grads_close(got_grads, want_grads, 1e-4)
+
+
 def recording_backend(graphs, aot=True):
     """aot_eager (or dynamo alone: 'eager') that records the example inputs
     of each graph it compiles."""
