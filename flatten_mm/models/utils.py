@@ -68,11 +68,20 @@ STATIC_IMAGE_SIZES = True
 def specialize_image_size(x: Tensor) -> Tensor:
     """``x`` (B, C, H, W); while torch.compile traces it, H and W become
     compile-time constants (guarded) when :data:`STATIC_IMAGE_SIZES` is set."""
-    if STATIC_IMAGE_SIZES and torch.compiler.is_compiling() \
-            and not torch.compiler.is_exporting():
+    if STATIC_IMAGE_SIZES and torch.compiler.is_compiling() and not is_exporting():
         # operator.index needs a Python int: dynamo specialises the symbol
         operator.index(x.shape[-2]), operator.index(x.shape[-1])
     return x
+
+
+def is_exporting() -> bool:
+    """``torch.compiler.is_exporting()``, read from the flag behind it where
+    torch has one: the dynamo of torch 2.11 (the GPU image's) folds the
+    function to True under torch.compile too, so the image sizes went
+    symbolic there after the first recompile (slow traces; Inductor's crash
+    at 800x1333)."""
+    flag = getattr(torch.compiler, '_is_exporting_flag', None)
+    return torch.compiler.is_exporting() if flag is None else flag
 
 
 def _inference_cache(module: nn.Module):

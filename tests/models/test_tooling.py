@@ -180,6 +180,35 @@ def test_compiled_second_size_is_one_static_recompile():
             isinstance(d, torch.SymInt) for d in i.shape) for i in inputs)
 
 
+def test_image_sizes_specialised_under_compile_not_export():
+    """check_images makes H and W constants of each compiled graph (a second size
+    is one static recompile) but leaves them symbolic in torch.export; the
+    export test reads torch's flag (the dynamo of torch 2.11, the GPU image's,
+    folds ``torch.compiler.is_exporting()`` to True under torch.compile too:
+    sizes went symbolic there, checked with that torch)."""
+    graphs = []
+    torch._dynamo.reset()
+    model = _Images()
+    compiled = torch.compile(model, backend=recording_backend(graphs, aot=False))
+    for size in (5, 6, 7):
+        x = torch.randn(1, 2, size, size + 1)
+        torch.testing.assert_close(compiled(x), model(x))  # + 0: not exporting
+    assert len(graphs) == 3 and all(len(g) == 1 and isinstance(g[0], torch.Tensor) and all(
+        isinstance(d, int) for d in g[0].shape) for g in graphs)
+    dims = {'h': torch.export.Dim('h', min=2), 'w': torch.export.Dim('w', min=2)}
+    program = torch.export.export(model, (torch.randn(1, 2, 5, 6), ),
+                                  dynamic_shapes={'x': {2: dims['h'], 3: dims['w']}})
+    x = torch.randn(1, 2, 9, 4)
+    torch.testing.assert_close(program.module()(x), model(x) + 1)  # + 1: exporting
+
+
+class _Images(torch.nn.Module):
+    def forward(self, x):
+        from flatten_mm.models.layers import check_images
+        from flatten_mm.models.utils import is_exporting
+        return check_images(x).sum(-1) * x.shape[-2] + float(is_exporting())
+
+
 def test_drop_path_rates_do_not_recompile_blocks(monkeypatch):
     """With a graph break inside every attention layer (as once on CUDA), each
     block's remainder is compiled on its own: blocks with different drop-path
