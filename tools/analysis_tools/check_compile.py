@@ -12,8 +12,12 @@ model trained once at each size in turn and once more at the first (which must
 reuse the first graph), then ``--iters`` warm steps of each, interleaved. The
 outputs and the gradients of all parameters (as one vector) are then compared
 with eager on the same weights, drop-path rates set to 0. A model passes with
-as many graphs as distinct sizes, no graph break and relative errors within
-``--tol``; the exit status is 1 if any model fails.
+as many graphs as distinct sizes, no graph break and, in fp32, relative errors
+within ``--tol``. In bf16/fp16 two roundings of one step differ by about the
+precision's own error (eager bf16 against fp32: up to 1.4e-2 in the outputs,
+3.7e-2 in the gradients of the small models), so there the compiled step is
+compared with an fp32 eager step and passes when its error is within
+``--tol-factor`` times eager's. The exit status is 1 if any model fails.
 """
 import argparse
 import json
@@ -55,17 +59,39 @@ def gradients(model) -> torch.Tensor:
                       if p.grad is not None])
 
 
+def errors(got: tuple, ref: tuple) -> tuple:
+    """Largest output and the all-gradient relative errors of one (outputs,
+    gradients) step against another."""
+    return (max(relative_error(g, r) for g, r in zip(got[0], ref[0])),
+            relative_error(got[1], ref[1]))
+
+
 def compare_to_eager(model, compiled, x: torch.Tensor, dtype: torch.dtype) -> dict:
     """Output and all-gradient relative errors of compiled against eager, drop
-    paths off (every ``drop_prob`` set to 0: the same weights, no randomness)."""
+    paths off (every ``drop_prob`` set to 0: the same weights, no randomness);
+    in half precision also both steps' errors against an fp32 eager step."""
     for m in model.modules():
         if hasattr(m, 'drop_prob'):
             m.drop_prob = 0.0
-    _, ref = train_step(model, x, dtype)
-    ref_grad = gradients(model)
-    _, got = train_step(compiled, x, dtype)
-    return dict(output_error=max(relative_error(g, r) for g, r in zip(got, ref)),
-                grad_error=relative_error(gradients(model), ref_grad))
+
+    def step(module, step_dtype):
+        outs = train_step(module, x, step_dtype)[1]
+        return outs, gradients(model)
+    ref, got = step(model, dtype), step(compiled, dtype)
+    row = dict(zip(('output_error', 'grad_error'), errors(got, ref)))
+    if dtype != torch.float32:
+        fp32 = step(model, torch.float32)
+        row.update(eager_error_fp32=max(errors(ref, fp32)),
+                   compiled_error_fp32=max(errors(got, fp32)))
+    return row
+
+
+def within_tolerance(row: dict, args: argparse.Namespace) -> bool:
+    """fp32: compiled within ``--tol`` of eager; half precision: compiled as
+    close to fp32 as eager is, within ``--tol-factor``."""
+    if 'compiled_error_fp32' in row:
+        return row['compiled_error_fp32'] <= args.tol_factor * row['eager_error_fp32']
+    return max(row['output_error'], row['grad_error']) <= args.tol
 
 
 def check_model(name: str, args: argparse.Namespace) -> dict:
@@ -90,8 +116,8 @@ def check_model(name: str, args: argparse.Namespace) -> dict:
                graph_breaks=sum(counters['graph_break'].values()))
     row.update(compare_to_eager(model, compiled, images[0], dtype))
     distinct = len({tuple(s) for s in args.sizes})
-    row['ok'] = (row['graphs'] == distinct and row['graph_breaks'] == 0 and
-                 max(row['output_error'], row['grad_error']) <= args.tol)
+    row['ok'] = row['graphs'] == distinct and row['graph_breaks'] == 0 and \
+        within_tolerance(row, args)
     return row
 
 
@@ -105,13 +131,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--batch', type=int, default=1)
     parser.add_argument('--iters', type=int, default=3, help='warm steps of each, interleaved')
     parser.add_argument('--backend', default='inductor', help="torch.compile's backend")
-    parser.add_argument('--tol', type=float, default=None,
-                        help='largest relative error (default 1e-4 in fp32, 3e-2 otherwise)')
+    parser.add_argument('--tol', type=float, default=1e-4,
+                        help='fp32: largest relative error against eager')
+    parser.add_argument('--tol-factor', type=float, default=1.5,
+                        help="bf16/fp16: largest error against fp32 as a multiple of eager's")
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
-    if args.tol is None:
-        args.tol = 1e-4 if args.dtype == 'fp32' else 3e-2
     return args
 
 
@@ -129,16 +155,18 @@ def main(argv=None) -> list:
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     print('| model | graphs | breaks | first steps (s) | eager (s) | compiled (s) | '
-          'output err | grad err | ok |')
-    print('|---|---|---|---|---|---|---|---|---|')
+          'output err | grad err | vs fp32: compiled / eager | ok |')
+    print('|---|---|---|---|---|---|---|---|---|---|')
     for r in rows:
         if 'error' in r:
-            print(f"| {r['model']} | - | - | - | - | - | - | - | {r['error_type']} |")
+            print(f"| {r['model']} | - | - | - | - | - | - | - | - | {r['error_type']} |")
             continue
+        fp32 = f"{r['compiled_error_fp32']:.1e} / {r['eager_error_fp32']:.1e}" \
+            if 'eager_error_fp32' in r else '-'
         print(f"| {r['model']} | {r['graphs']} | {r['graph_breaks']} | "
               f"{' / '.join(f'{t:.1f}' for t in r['first_steps_s'])} | "
               f"{r['eager_step_s']:.3f} | {r['compiled_step_s']:.3f} | "
-              f"{r['output_error']:.1e} | {r['grad_error']:.1e} | {r['ok']} |")
+              f"{r['output_error']:.1e} | {r['grad_error']:.1e} | {fp32} | {r['ok']} |")
     if not all(r['ok'] for r in rows):
         sys.exit(1)
     return rows
