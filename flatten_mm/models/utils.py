@@ -76,10 +76,10 @@ def specialize_image_size(x: Tensor) -> Tensor:
 
 def is_exporting() -> bool:
     """``torch.compiler.is_exporting()``, read from the flag behind it where
-    torch has one: the dynamo of torch 2.11 (the GPU image's) folds the
-    function to True under torch.compile too, so the image sizes went
-    symbolic there after the first recompile (slow traces; Inductor's crash
-    at 800x1333)."""
+    torch has one: the dynamo of torch 2.11 (the torch of the H200 figures)
+    folds the function to True under torch.compile too, so there the image
+    sizes went symbolic after the first recompile (slow traces, and likely the
+    Inductor crash at 800x1333 of docs/design.md)."""
     flag = getattr(torch.compiler, '_is_exporting_flag', None)
     return torch.compiler.is_exporting() if flag is None else flag
 
@@ -169,8 +169,8 @@ def autocast_off(device_type: str):
 @torch.compiler.assume_constant_result
 def has_autocast(device_type: str) -> bool:
     """Whether ``device_type`` has autocast; a constant to torch.compile (the
-    dynamo of torch 2.11, the GPU image's, cannot trace the C function behind
-    it: a graph break in every attention layer)."""
+    dynamo of torch 2.11, the torch of the H200 figures, cannot trace the C
+    function behind it: a graph break in every attention layer)."""
     return torch.amp.is_autocast_available(device_type)
 
 

@@ -242,7 +242,7 @@ def test_resize_runs_on_the_meta_device():
 
 
 def test_layer_compiles_whole_where_dynamo_cannot_trace_the_autocast_query(monkeypatch):
-    """The dynamo of torch 2.11 (the GPU image's) cannot trace
+    """The dynamo of torch 2.11 (the torch of the H200 figures) cannot trace
     ``torch.amp.is_autocast_available``; the layer asks it before each
     autocast-off region, so the answer must reach the graph as a constant:
     with the query hidden from dynamo, fullgraph still holds under autocast

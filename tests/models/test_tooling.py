@@ -117,7 +117,7 @@ def test_compiled_training_step_equals_eager(kind, backend):
 
 def test_compiled_training_leaves_the_inference_caches_alone():
     """A trace neither drops nor fills a layer's inference cache: the dynamo of
-    torch 2.11 (the GPU image's) cannot trace the module-dict operations behind
+    torch 2.11 (the torch of the H200 figures) cannot trace the module-dict operations behind
     it (a graph break in every attention layer). The eager inference cache,
     whose entries are checked against the weights on use, is still there after
     compiled training, and the compiled step equals eager."""
@@ -183,7 +183,7 @@ def test_compiled_second_size_is_one_static_recompile():
 def test_image_sizes_specialised_under_compile_not_export():
     """check_images makes H and W constants of each compiled graph (a second size
     is one static recompile) but leaves them symbolic in torch.export; the
-    export test reads torch's flag (the dynamo of torch 2.11, the GPU image's,
+    export test reads torch's flag (the dynamo of torch 2.11, the torch of the H200 figures,
     folds ``torch.compiler.is_exporting()`` to True under torch.compile too:
     sizes went symbolic there, checked with that torch)."""
     graphs = []
