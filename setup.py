@@ -11,12 +11,13 @@ from setuptools import find_packages, setup
 MIM_FILES = ('configs', 'tools', 'model-index.yml')
 
 
-def read_version() -> str:
+def read_version_file() -> dict:
+    """The names flatten_mm/version.py defines (the package itself needs torch)."""
     path = os.path.join(os.path.dirname(__file__), 'flatten_mm', 'version.py')
     scope: dict = {}
     with open(path) as f:
         exec(f.read(), scope)
-    return scope['__version__']
+    return scope
 
 
 def add_mim_extension() -> None:
@@ -48,7 +49,7 @@ def add_mim_extension() -> None:
 add_mim_extension()
 setup(
     name='flatten_mm',
-    version=read_version(),
+    version=read_version_file()['__version__'],
     description='FLatten (Focused Linear Attention) backbones for mmdet, '
     'mmsegmentation and timm',
     long_description=open('README.md').read() if os.path.exists('README.md') else '',
@@ -57,7 +58,7 @@ setup(
     python_requires='>=3.8',
     packages=find_packages(exclude=('tests', 'tests.*', 'configs', 'tools')),
     include_package_data=True,
-    install_requires=['torch>=1.13', 'mmengine>=0.10.0,<1.0'],
+    install_requires=[f"torch>={read_version_file()['TORCH_MINIMUM']}", 'mmengine>=0.10.0,<1.0'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.0.0,<3.4.0'],
         'seg': ['mmcv>=2.0.0,<2.2.0', 'mmsegmentation>=1.0.0,<1.3.0'],

@@ -7,13 +7,18 @@ the ImageNet classifiers in timm, and lets mmengine load its own checkpoints
 under torch >= 2.6 (see :func:`flatten_mm.checkpoint.patch_mmengine_loading`), so ``custom_imports=dict(imports=['flatten_mm'])``
 in a config is all an OpenMMLab project needs.
 """
+import torch
+
+from .version import __version__, check_torch
+
+check_torch(torch.__version__)  # before the modules that need its APIs
+
 from .checkpoint import load_checkpoint_file, load_pretrained, patch_mmengine_loading
 from .engine import (EmptyDatasetHook, PlainParamGroupsHook, RandomStateHook,
                      patch_empty_dataset_error, setup_distributed)
 from .models import (FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin,
                      FocusedLinearAttention, focusing_map, linear_attention)
 from .registry import register_openmmlab, register_timm
-from .version import __version__
 
 register_openmmlab()
 register_timm()

@@ -4,6 +4,7 @@ the editable (develop) install is listed and searchable, and a wheel ships
 import glob
 import os
 import os.path as osp
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,9 @@ def test_wheel_ships_mim_files_and_mim_trains_from_it(shapes, tmp_path):
               'configs/flatten_swin/upernet_flatten-swin-t_8xb2-160k_ade20k-512x512.py'):
         assert f'flatten_mm/.mim/{f}' in names
     assert not any(n.startswith('tests/') for n in names)
+    metadata = next(zipfile.ZipFile(wheel).read(n).decode() for n in names
+                    if n.endswith('.dist-info/METADATA'))
+    assert 'Requires-Dist: torch>=2.11' in metadata.splitlines()
 
     # mim's own installer (pip underneath) with the wheel, into a separate folder
     mim('install', wheel, '--no-deps', '--target', target,
@@ -110,3 +114,17 @@ def test_mim_install_editable_into_an_environment_with_the_stack(tmp_path):
     here = run('-c', 'import flatten_mm; print(flatten_mm.__file__)', cwd=str(tmp_path))
     assert here.strip() == osp.join(ROOT, 'flatten_mm', '__init__.py')
     assert osp.islink(osp.join(ROOT, 'flatten_mm', '.mim', 'configs'))
+
+
+def test_an_older_torch_is_refused_at_import_by_name():
+    """Below the oldest torch the suite passes on, importing flatten_mm raises an
+    ImportError naming the version found and the one needed (torch 2.6 had failed
+    inside an import of torch.fx, 2.9 inside torch.jit.trace)."""
+    import pytest
+    from flatten_mm.version import TORCH_MINIMUM, check_torch
+    assert TORCH_MINIMUM == '2.11'
+    for ok in ('2.11.0+cu130', '2.11.1', '2.14.1+cpu', '3.0.0'):
+        check_torch(ok)
+    for old in ('2.9.1+cu128', '2.6.0', '1.13.1'):
+        with pytest.raises(ImportError, match=rf'torch >= 2\.11, found torch {re.escape(old)}'):
+            check_torch(old)
