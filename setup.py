@@ -47,9 +47,10 @@ def add_mim_extension() -> None:
 
 
 add_mim_extension()
+VERSION_FILE = read_version_file()
 setup(
     name='flatten_mm',
-    version=read_version_file()['__version__'],
+    version=VERSION_FILE['__version__'],
     description='FLatten (Focused Linear Attention) backbones for mmdet, '
     'mmsegmentation and timm',
     long_description=open('README.md').read() if os.path.exists('README.md') else '',
@@ -58,7 +59,7 @@ setup(
     python_requires='>=3.8',
     packages=find_packages(exclude=('tests', 'tests.*', 'configs', 'tools')),
     include_package_data=True,
-    install_requires=[f"torch>={read_version_file()['TORCH_MINIMUM']}", 'mmengine>=0.10.0,<1.0'],
+    install_requires=[f"torch>={VERSION_FILE['TORCH_MINIMUM']}", 'mmengine>=0.10.0,<1.0'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.0.0,<3.4.0'],
         'seg': ['mmcv>=2.0.0,<2.2.0', 'mmsegmentation>=1.0.0,<1.3.0'],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
 import yaml
 
 from demo_runs import ROOT, losses, run, seg_options
@@ -120,7 +121,6 @@ def test_an_older_torch_is_refused_at_import_by_name():
     """Below the oldest torch the suite passes on, importing flatten_mm raises an
     ImportError naming the version found and the one needed (torch 2.6 had failed
     inside an import of torch.fx, 2.9 inside torch.jit.trace)."""
-    import pytest
     from flatten_mm.version import TORCH_MINIMUM, check_torch
     assert TORCH_MINIMUM == '2.11'
     for ok in ('2.11.0+cu130', '2.11.1', '2.14.1+cpu', '3.0.0'):

@@ -115,6 +115,12 @@ def test_compiled_training_step_equals_eager(kind, backend):
     assert_grads_close(got_grads, want_grads, 1e-4)
 
 
+def eval_caches(model):
+    """Each module's inference cache, by module name (modules without one left out)."""
+    return {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
+            if '_eval_cache' in m.__dict__}
+
+
 def test_compiled_training_leaves_the_inference_caches_alone():
     """A trace neither drops nor fills a layer's inference cache: the dynamo of
     torch 2.11 (the torch of the H200 figures) cannot trace the module-dict operations behind
@@ -125,18 +131,14 @@ def test_compiled_training_leaves_the_inference_caches_alone():
     x = torch.randn(1, 3, 45, 77)
     with torch.no_grad():
         model(x)
-    caches = {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
-              if '_eval_cache' in m.__dict__}
+    caches = eval_caches(model)
     assert caches
     model.train()
     want, want_grads = loss_and_grads(model, x)
-    caches = {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
-              if '_eval_cache' in m.__dict__}  # eager training drops them
-    assert not caches
+    assert not eval_caches(model)  # eager training drops them
     with torch.no_grad():
         model.eval()(x)
-    caches = {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
-              if '_eval_cache' in m.__dict__}
+    caches = eval_caches(model)
     torch._dynamo.reset()
     compiled = torch.compile(model.train(), fullgraph=True, backend='eager')
     got, got_grads = loss_and_grads(compiled, x)

@@ -78,7 +78,8 @@ def compare_to_eager(model, compiled, x: torch.Tensor, dtype: torch.dtype) -> di
         outs = train_step(module, x, step_dtype)[1]
         return outs, gradients(model)
     ref, got = step(model, dtype), step(compiled, dtype)
-    row = dict(zip(('output_error', 'grad_error'), errors(got, ref)))
+    output_error, grad_error = errors(got, ref)
+    row = dict(output_error=output_error, grad_error=grad_error)
     if dtype != torch.float32:
         fp32 = step(model, torch.float32)
         row.update(eager_error_fp32=max(errors(ref, fp32)),
