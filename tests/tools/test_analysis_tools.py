@@ -164,6 +164,31 @@ def test_benchmark_backbone_knows_cswin_and_its_baseline():
     assert type(flatten) is type(softmax) and flatten.arch == softmax.arch == 'tiny'
 
 
+def test_benchmark_backbone_identity_variant_skips_the_core_only(monkeypatch):
+    """NAME@identity (the bound a faster core cannot beat) runs every layer but
+    the attention core: no backend is called, the output is the query."""
+    from flatten_mm.models.ops import dispatch
+    tool = load_tool('benchmark_backbone')
+    assert tool.baseline_of('flatten-pvt-t@identity') == 'pvt-t'
+    torch.manual_seed(0)
+    full = tool.build_model('flatten-pvt-t')
+    torch.manual_seed(0)
+    bound = tool.build_model('flatten-pvt-t@identity')
+    layer = next(m for m in bound.modules() if hasattr(m, 'project_qkv'))
+    q = torch.randn(1, 5, layer.embed_dims)
+    assert layer.attend(q, q[:, :2], q[:, :2], None) is q
+    image = torch.randn(1, 3, 64, 96)
+    expected = full(image)
+    calls = []
+    monkeypatch.setattr(dispatch, 'backend_of', lambda *a: calls.append(a))
+    outs = bound(image)
+    assert not calls
+    assert [o.shape for o in outs] == [o.shape for o in expected]
+    assert not torch.allclose(outs[0], expected[0], atol=1e-3)
+    with pytest.raises(ValueError, match='NAME@identity'):
+        tool.check_model_name('swin-t@identity')
+
+
 def test_benchmark_stages_times_each_swin_stage():
     tool = load_tool('benchmark_stages')
     # the grids of an 800x1333 image: 4x4 patches (1333 padded to 1336), then odd sides padded

@@ -30,7 +30,10 @@ Models: ``flatten-pvt-{t,s,m}``, ``flatten-pvtv2-b{0,1,2}``, ``flatten-swin-{t,s
 ``flatten-cswin-{t,s}`` (flatten_mm), their softmax counterparts ``pvt-{t,s,m}``,
 ``pvtv2-b{0,1,2}``, ``swin-{t,s}`` (mmdet's backbones) and ``cswin-{t,s}``
 (``FLattenCSwin`` with ``attn_type='SSSS'``: CSWin's stripes in every stage), ``NAME@reference`` for a flatten model
-whose linear attention runs the plain reference code (official op order), and
+whose linear attention runs the plain reference code (official op order),
+``NAME@identity`` for a flatten model whose attention term is its query (out = q;
+the DWC term, projections and everything else kept): the step with a free
+attention core, the bound no faster core can beat, and
 ``NAME@rev`` for a flatten model built from another checkout of flatten_mm
 (``--rev-dir``, e.g. a ``git worktree`` of an older commit), to time two
 versions of the code side by side.
@@ -160,10 +163,10 @@ def check_model_name(name: str) -> None:
                              '(see timm.list_models(); ours are flatten_*)')
         return
     base, _, variant = name.partition('@')
-    if base not in model_names() or variant not in ('', 'reference', 'rev') \
+    if base not in model_names() or variant not in ('', 'reference', 'identity', 'rev') \
             or (variant and not base.startswith('flatten-')):
         raise ValueError(f'unknown model {name!r}; choose from {model_names()} '
-                         '(flatten ones also as NAME@reference or NAME@rev)')
+                         '(flatten ones also as NAME@reference, NAME@identity or NAME@rev)')
 
 
 def check_model_names(parser: argparse.ArgumentParser, names) -> None:
@@ -199,15 +202,7 @@ def build_model(name: str, release_dir: Optional[str] = None):
         arch = {'t': 'tiny', 's': 'small', 'm': 'medium'}.get(size, size)
         cls = dict(zip(['flatten-pvt', 'flatten-pvtv2', 'flatten-swin', 'flatten-cswin'],
                        [FLattenPVT, FLattenPVTv2, FLattenSwin, FLattenCSwin]))[family]
-        model = cls(arch=arch)
-        if variant == 'reference':
-            from flatten_mm.analysis import reference_forward
-            from flatten_mm.models.attention import FocusedLinearAttention
-            for m in model.modules():
-                if isinstance(m, FocusedLinearAttention):
-                    m.forward = (lambda mod: lambda x, hw, key_mask=None:
-                                 reference_forward(mod, x, hw))(m)
-        return model
+        return with_attention_variant(cls(arch=arch), variant)
     from mmdet.models.backbones import (PyramidVisionTransformer,
                                         PyramidVisionTransformerV2, SwinTransformer)
     if family == 'pvt':
@@ -217,6 +212,22 @@ def build_model(name: str, release_dir: Optional[str] = None):
         return PyramidVisionTransformerV2(embed_dims=dims, num_layers=layers)
     # stochastic depth as FLattenSwin's default and mmdet's Swin detection configs
     return SwinTransformer(depths=SWIN[size][1], drop_path_rate=0.2)
+
+
+def with_attention_variant(model, variant: str):
+    """``model`` with every focused linear attention layer's core swapped for
+    ``variant``'s (see the module docstring; '' or 'rev': as built)."""
+    from flatten_mm.models.attention import FocusedLinearAttention
+    for m in model.modules():
+        if not isinstance(m, FocusedLinearAttention):
+            continue
+        if variant == 'reference':
+            from flatten_mm.analysis import reference_forward
+            m.forward = (lambda mod: lambda x, hw, key_mask=None:
+                         reference_forward(mod, x, hw))(m)
+        elif variant == 'identity':  # out = q: no focusing map, no state, no sums
+            m.attend = lambda q, k, v, key_mask, overwrite_qk=False, grids=None: q
+    return model
 
 
 # ----------------------------------------------------------------- worker
