@@ -26,6 +26,8 @@ ONE_HEAD = FORWARD + ['_query_grad_kernel', '_key_grad_kernel']
 ONE_HEAD_SM80 = FORWARD + ['_query_state_grad_kernel', '_query_grad_kernel', '_key_grad_kernel']
 # the fused out + DWC(V): forward, V's gradient (the same kernel), weight gradient
 CONV = ['_conv_add_kernel'] * 2 + ['_conv_weight_grad_kernel']
+# kernels without a dot: per-row reductions and the depth-wise conv
+NO_DOT = {'_row_stats_kernel', '_conv_add_kernel', '_conv_weight_grad_kernel'}
 
 
 def nvidia_backend() -> bool:
@@ -60,6 +62,10 @@ def build(tmp_path, arch, *args):
         # the looping kernels real sizes run, not the loop-free ones triton
         # builds for one block per program (an argument equal to 1 is a constant)
         assert row['blocks_per_prog'] is None or row['blocks_per_prog'] >= 2, row
+        # every dot on tensor cores (bf16; fp16 and TF32: tf32), none for IEEE fp32
+        tensor_core = row['wgmma'] + row['mma_sync'] > 0
+        ieee = row['dtype'] == 'fp32' and '--tf32' not in args
+        assert tensor_core == (row['kernel'] not in NO_DOT and not ieee), row
     return by_case
 
 
@@ -78,6 +84,15 @@ def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
     assert pvt['_query_grad_kernel']['WHOLE_ROWS'] == pvt['_key_grad_kernel']['WHOLE_ROWS'] == 'True'
     assert swin['_conv_add_kernel']['BLOCK_C'] == '32'  # C = 96: three blocks, none padded
     assert pvt['_conv_weight_grad_kernel']['TAPS'] == '32'  # 25 taps and the bias
+
+
+@pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
+def test_fp32_kernels_with_tf32_allowed_build_without_spills(tmp_path):
+    """fp32 with TF32 allowed takes tensor-core dots and larger blocks than IEEE."""
+    by_case = build(tmp_path, 90, '--dtypes', 'fp32', '--tf32', '--cases', '32x3m', '64x1')
+    swin = {r['kernel']: r['constexprs'] for r in by_case[('32x3m', 'fp32')]}
+    assert swin['_kv_state_kernel']['PREC'] == 'tf32'
+    assert swin['_kv_state_kernel']['BLOCK_N'] == '128'  # IEEE: 1024 / 32 = 32
 
 
 @pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')

@@ -1,12 +1,15 @@
 """Build the attention core's Triton kernels for a GPU, without one, and report
-what each costs the GPU: registers, spilled bytes and shared memory per program.
+what each costs the GPU: registers, spilled bytes and shared memory per program,
+and whether its dots run on tensor cores.
 
 Every kernel that one forward and one backward of the core (and of the fused
 DWC of V added to its output) launch is built for
 each case, with the arguments the launchers would pass on a GPU (the launchers
 run on CPU tensors with the launches recorded instead of made; tiling, operand
 dtypes and constexprs are the GPU's, not the interpreter's), by Triton's own
-compiler for ``--arch`` and then ``ptxas -v``. The recorded problem is large
+compiler for ``--arch`` and then ``ptxas -v``; the tensor-core instructions
+of its PTX are counted (``wgmma``: Hopper's warpgroup MMA; ``mma``: the
+warp-level one), so a dot that fell back to FMAs shows. The recorded problem is large
 enough that every chunked kernel loops over two blocks or more, as at real
 sizes: Triton compiles an integer argument equal to 1 as a constant, so a
 problem of one block per program would build smaller, loop-free kernels than
@@ -39,6 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 DTYPES = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
 CASE = re.compile(r'(\d+)x(\d+)(m?)$')
+# tensor-core instructions in PTX: Hopper's warpgroup MMA, and the warp-level one
+WGMMA, MMA = re.compile(r'\bwgmma\.mma_async\.'), re.compile(r'\bmma\.sync\.')
 PTXAS = re.compile(r'(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers',
                    re.S)
 
@@ -137,6 +142,8 @@ def build(fn, args: tuple, kwargs: dict, arch: int) -> dict:
                 constexprs={fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()},
                 blocks_per_prog=dict(zip(fn.arg_names, args)).get('blocks_per_prog'),
                 seconds=round(time.perf_counter() - start, 2),
+                wgmma=len(WGMMA.findall(compiled.asm['ptx'])),
+                mma_sync=len(MMA.findall(compiled.asm['ptx'])),
                 **ptxas_usage(compiled.asm['ptx'], arch))
 
 
@@ -148,6 +155,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=[parse_case(c) for c in ('32x3m', '64x1', '32x1', '64x6')],
                         help='head width x heads, m for a key mask (default: 32x3m 64x1 32x1 64x6)')
     parser.add_argument('--dtypes', nargs='+', choices=sorted(DTYPES), default=['bf16', 'fp32'])
+    parser.add_argument('--tf32', action='store_true',
+                        help="fp32 inputs as with torch.backends.cuda.matmul.fp32_precision = "
+                             "'tf32' (TF32 tensor-core dots; default: torch's setting, IEEE)")
     parser.add_argument('--json', help='write the rows here as JSON')
     return parser.parse_args(argv)
 
@@ -157,8 +167,11 @@ def main(argv=None) -> list:
     if os.environ.get('TRITON_INTERPRET', '0') == '1':
         raise SystemExit('TRITON_INTERPRET=1 is set: the kernels would be interpreted, not '
                          'built; run without it')
+    if args.tf32:  # this process only: the launchers read it when they plan
+        torch.backends.cuda.matmul.fp32_precision = 'tf32'
     rows = []
-    print(f'{"kernel":26} {"case":7} {"dtype":5} {"regs":>4} {"spill st/ld":>11} {"shared":>7}')
+    print(f'{"kernel":26} {"case":7} {"dtype":5} {"regs":>4} {"spill st/ld":>11} {"shared":>7} '
+          f'{"wgmma/mma":>9}')
     for d, heads, masked in args.cases:
         case = f'{d}x{heads}{"m" if masked else ""}'
         for name in args.dtypes:
@@ -166,7 +179,8 @@ def main(argv=None) -> list:
                 row = dict(case=case, dtype=name, **build(fn, a, kw, args.arch))
                 rows.append(row)
                 print(f'{row["kernel"]:26} {case:7} {name:5} {row["registers"]:4d} '
-                      f'{row["spill_stores"]:5d}/{row["spill_loads"]:<5d} {row["shared"]:7d}')
+                      f'{row["spill_stores"]:5d}/{row["spill_loads"]:<5d} {row["shared"]:7d} '
+                      f'{row["wgmma"]:4d}/{row["mma_sync"]:<4d}')
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
