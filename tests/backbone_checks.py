@@ -88,26 +88,39 @@ def assert_trains_at_every_size(model, sizes=TRAIN_SIZES, batch_sizes=(1, 2),
                 assert p.grad is not None and torch.isfinite(p.grad).all(), (name, h, w, b)
 
 
-def eval_cache_state(model):
-    """Every module's eval-mode cache: its keys and the identity of each value."""
-    return {name: {key: id(value) for key, value in m.__dict__.get('_eval_cache', {}).items()}
+def cache_state(model):
+    """Every module's tensor cache: its keys and the identity of each value."""
+    return {name: {key: id(value) for key, value in m.__dict__.get('_tensor_cache', {}).items()}
             for name, m in model.named_modules()}
 
 
-def assert_eval_cache_reused(model, hw=(45, 67)):
+def loss_and_grads(model, x):
+    """A random projection of the outputs, and every parameter's gradient (seeded:
+    the same drop paths and projection each call)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(2)
+    outs = model(x)
+    loss = sum((o * torch.randn_like(o)).sum() for o in outs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_caches_reused(model, hw=(45, 67)):
     """In eval mode without gradients, what depends only on the input size is
     made once per size: a second forward at that size adds and rebuilds no
     cache entry, and gives the outputs of the uncached (grad-mode) forward.
-    New weights are never served stale encodings; training drops the caches."""
+    New weights are never served stale encodings. Training steps serve the
+    size entries too (no new entry) and equal the step that made them: no
+    consumer changed a cached tensor in place."""
     model.eval()
     x = torch.randn(1, 3, *hw)
     with torch.no_grad():
         first = model(x)
-    state = eval_cache_state(model)
+    state = cache_state(model)
     assert sum(len(v) for v in state.values()) > 0
     with torch.no_grad():
         second = model(x)
-    assert eval_cache_state(model) == state
+    assert cache_state(model) == state
     uncached = model(x)
     for a, b, c in zip(first, second, uncached):
         assert torch.equal(a, b)
@@ -120,8 +133,14 @@ def assert_eval_cache_reused(model, hw=(45, 67)):
     for a, c in zip(cached, model(x)):
         torch.testing.assert_close(a, c.detach(), rtol=1e-5, atol=1e-5)
     model.train()
-    model(x)
-    assert all('_eval_cache' not in m.__dict__ for m in model.modules())
+    x = torch.randn(2, 3, *hw[::-1])  # a new size: the first step makes its entries
+    made = loss_and_grads(model, x)
+    state = cache_state(model)
+    served = loss_and_grads(model, x)
+    assert cache_state(model) == state
+    assert torch.equal(made[0], served[0])
+    for name, grad in made[1].items():
+        assert torch.equal(grad, served[1][name]), name
 
 
 FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin')

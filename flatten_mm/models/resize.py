@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .utils import HWShape, autocast_off, inference_cached, param_cached
+from .utils import HWShape, autocast_off, param_cached, size_cached
 
 
 def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
@@ -42,8 +42,8 @@ def resize_weights(src: HWShape, dst: HWShape, like: Tensor
                    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The row weights (H, h) and column weights (W, w) of resizing a grid
     from ``src`` to ``dst``, in ``like``'s dtype and device; None for an axis
-    that keeps its size. They depend on the sizes only: what an inference
-    cache may hold (:func:`~flatten_mm.models.utils.inference_cached`)."""
+    that keeps its size. They depend on the sizes only: what a module's
+    cache may hold (:func:`~flatten_mm.models.utils.size_cached`)."""
     rows = None if src[0] == dst[0] else resize_matrix(src[0], dst[0], like)
     cols = None if src[1] == dst[1] else resize_matrix(src[1], dst[1], like)
     return rows, cols
@@ -110,13 +110,13 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
 def cached_resize_parts(module: nn.Module, key: tuple, tokens: Tensor, src: HWShape,
                         dst: HWShape) -> Tuple[Optional[Tensor], Tensor]:
     """:func:`resize_parts` of a parameter ``tokens`` (a positional encoding or
-    embedding of ``module``) from ``src`` to ``dst``, cached in inference:
-    the resize weights by size (``inference_cached``), the parts while the
-    parameter keeps its values (``param_cached``). ``dst`` stays as given: under
-    fx tracing it is a proxy (no cache then), which cannot be iterated."""
+    embedding of ``module``) from ``src`` to ``dst``, cached: the resize
+    weights by size (``size_cached``, in training too), in inference the
+    parts while the parameter keeps its values (``param_cached``). ``dst``
+    stays as given: under fx tracing it is a proxy (no cache then), which
+    cannot be iterated."""
     def make():
-        weights = inference_cached(module, ('resize weights', key, dst, tokens.dtype,
-                                            tokens.device),
-                                   lambda: resize_weights(src, dst, tokens))
+        weights = size_cached(module, ('resize weights', key, dst, tokens.dtype, tokens.device),
+                              lambda: resize_weights(src, dst, tokens))
         return resize_parts(tokens, src, dst, weights)
     return param_cached(module, ('resized', key, dst), make, (tokens,))

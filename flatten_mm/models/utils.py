@@ -1,6 +1,6 @@
 """Small helpers every backbone and layer shares: argument checks, the token
 <-> map layouts, padding and stage grids, PVT's key reduction, the image-size
-specialisation under torch.compile and the inference caches."""
+specialisation under torch.compile and the modules' tensor caches."""
 import collections
 import contextlib
 import math
@@ -84,56 +84,78 @@ def is_exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-def _inference_cache(module: nn.Module):
-    """``module``'s inference cache (an OrderedDict), or None when nothing may
-    be cached: in training (which drops the cache), with gradients recorded,
-    while compiling or tracing."""
+def _under_tensor_mode() -> bool:
+    """Whether a fake or proxy tensor mode is active (``make_fx``, fake-tensor
+    shape propagation): the tensors made then must not outlive it."""
+    get, keys = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey
+    return get(keys.FAKE) is not None or get(keys.PROXY) is not None
+
+
+def _module_cache(module: nn.Module, inference_only: bool):
+    """``module``'s cache (an OrderedDict), or None when nothing may be cached:
+    while compiling or tracing, under a fake or proxy tensor mode, and, if
+    ``inference_only``, in training mode or with gradients recorded."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or is_fx_symbolic_tracing():
         return None  # first: a trace must not touch the module's __dict__ (torch 2.11's
-        # dynamo cannot trace its pop, a graph break in every attention layer)
-    if module.training:
-        module.__dict__.pop('_eval_cache', None)
+        # dynamo cannot trace it: a graph break in every attention layer)
+    if _under_tensor_mode():
         return None
-    if torch.is_grad_enabled():
+    if inference_only and (module.training or torch.is_grad_enabled()):
         return None
-    return module.__dict__.setdefault('_eval_cache', collections.OrderedDict())
+    return module.__dict__.setdefault('_tensor_cache', collections.OrderedDict())
+
+
+_MISSING = object()
+
+
+def _lookup(cache: collections.OrderedDict, key):
+    """The entry of ``key`` (the most recent from now on), or ``_MISSING``."""
+    try:
+        value = cache[key]
+        cache.move_to_end(key)
+    except KeyError:  # absent, or evicted meanwhile by another thread (DataParallel
+        return _MISSING  # replicas share their module's dict)
+    return value
 
 
 def _store(cache: collections.OrderedDict, key, value):
     cache[key] = value
-    while len(cache) > EVAL_CACHE_SIZE:
-        cache.popitem(last=False)
+    while len(cache) > CACHE_SIZE:
+        try:
+            cache.popitem(last=False)
+        except KeyError:
+            break
     return value
 
 
 # entries kept per module: a FLatten-PVT backbone holds two per stage and input size
-EVAL_CACHE_SIZE = 8
+CACHE_SIZE = 8
 
 
-def inference_cached(module: nn.Module, key: tuple, make):
-    """``make()``, computed once per ``key`` while ``module`` is in eval mode
-    and no gradient is recorded (inference), else every call.
+def size_cached(module: nn.Module, key: tuple, make):
+    """``make()``, computed once per ``key`` and kept on ``module``, in training
+    and in inference alike.
 
     Only for what depends on the input size alone (masks, window layouts,
-    resize weights), with the dtype and device it is made in as part of
-    ``key``; what is made from parameters goes through :func:`param_cached`.
-    The last EVAL_CACHE_SIZE keys are kept; training mode drops them.
+    resize weights: a few dozen small kernels per layer, made every step
+    otherwise), with the dtype and device it is made in as part of ``key``;
+    what is made from parameters goes through :func:`param_cached`. The last
+    CACHE_SIZE keys are kept. Entries made under ``torch.inference_mode``
+    (inference tensors, which autograd may not save) are kept apart.
     """
-    cache = _inference_cache(module)
+    cache = _module_cache(module, inference_only=False)
     if cache is None:
         return make()
     full = (key, torch.is_inference_mode_enabled())
-    if full in cache:
-        cache.move_to_end(full)
-        return cache[full]
-    return _store(cache, full, make())
+    value = _lookup(cache, full)
+    return _store(cache, full, make()) if value is _MISSING else value
 
 
 def param_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...]):
     """``make()``, a value made from the tensors ``params`` (resized positional
-    encodings, bias tables), cached in inference as :func:`inference_cached` on
-    CPUs, and served only while ``params`` still hold exactly the values it
-    was made from.
+    encodings, bias tables), cached in inference (eval mode, no gradient
+    recorded) on CPUs, and served only while ``params`` still hold exactly
+    the values it was made from.
 
     Parameter values can change in place without any trace on the parameter
     (``p.data.mul_()``, as mmdet's MeanTeacherHook updates its teacher;
@@ -144,13 +166,12 @@ def param_cached(module: nn.Module, key: tuple, make, params: Tuple[Tensor, ...]
     the device, and remaking the value costs next to nothing there: it is
     made every call.
     """
-    cache = _inference_cache(module)
+    cache = _module_cache(module, inference_only=True)
     if cache is None or any(p.device.type != 'cpu' for p in params):
         return make()
     full = (key, torch.is_inference_mode_enabled(), tuple(p.dtype for p in params))
-    entry = cache.get(full)
-    if entry is not None and all(torch.equal(p, c) for p, c in zip(params, entry[1])):
-        cache.move_to_end(full)
+    entry = _lookup(cache, full)
+    if entry is not _MISSING and all(torch.equal(p, c) for p, c in zip(params, entry[1])):
         return entry[0]
     value = make()
     _store(cache, full, (value, tuple(p.detach().clone() for p in params)))

@@ -115,34 +115,34 @@ def test_compiled_training_step_equals_eager(kind, backend):
     assert_grads_close(got_grads, want_grads, 1e-4)
 
 
-def eval_caches(model):
-    """Each module's inference cache, by module name (modules without one left out)."""
-    return {n: m.__dict__['_eval_cache'] for n, m in model.named_modules()
-            if '_eval_cache' in m.__dict__}
+def tensor_caches(model):
+    """Each module's tensor cache, by module name (modules without one left out)."""
+    return {n: m.__dict__['_tensor_cache'] for n, m in model.named_modules()
+            if '_tensor_cache' in m.__dict__}
 
 
-def test_compiled_training_leaves_the_inference_caches_alone():
-    """A trace neither drops nor fills a layer's inference cache: the dynamo of
-    torch 2.11 (the torch of the H200 figures) cannot trace the module-dict operations behind
-    it (a graph break in every attention layer). The eager inference cache,
-    whose entries are checked against the weights on use, is still there after
-    compiled training, and the compiled step equals eager."""
+def test_compiled_training_leaves_the_caches_alone():
+    """A trace neither drops nor fills nor reads a layer's tensor cache: the
+    dynamo of torch 2.11 (the torch of the H200 figures) cannot trace the
+    module-dict operations behind it (a graph break in every attention layer).
+    The eager cache, filled in eval and in eager training, is the same dict
+    with the same entries after compiled training, and the compiled step
+    equals eager."""
     model = backbone('pvt').eval()
     x = torch.randn(1, 3, 45, 77)
     with torch.no_grad():
         model(x)
-    caches = eval_caches(model)
-    assert caches
     model.train()
     want, want_grads = loss_and_grads(model, x)
-    assert not eval_caches(model)  # eager training drops them
-    with torch.no_grad():
-        model.eval()(x)
-    caches = eval_caches(model)
+    caches = tensor_caches(model)
+    entries = {n: {k: id(v) for k, v in cache.items()} for n, cache in caches.items()}
+    assert caches
     torch._dynamo.reset()
-    compiled = torch.compile(model.train(), fullgraph=True, backend='eager')
+    compiled = torch.compile(model, fullgraph=True, backend='eager')
     got, got_grads = loss_and_grads(compiled, x)
-    assert all(model.get_submodule(n).__dict__.get('_eval_cache') is cache
+    assert tensor_caches(model).keys() == caches.keys()
+    assert all(model.get_submodule(n).__dict__['_tensor_cache'] is cache and
+               {k: id(v) for k, v in cache.items()} == entries[n]
                for n, cache in caches.items())
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

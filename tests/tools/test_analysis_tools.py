@@ -241,6 +241,11 @@ def test_profile_backbone_sums_op_times_into_families(tmp_path):
     result = json.loads(out.read_text())['results'][0]
     assert result['device'] == 'cpu' and result['dtype'] == 'fp32' and result['batch'] == 1
     assert sum(fam.values()) == pytest.approx(sum(result['ops'].values()))
+    # ops one step dispatches: kernels only (no views, no prim::device), backward included
+    calls = result['op_calls']
+    assert calls['aten::addmm'] > 0 and calls['aten::mm'] > 0 and calls['aten::convolution'] > 0
+    assert not {'aten::view', 'aten::t', 'aten::expand'} & set(calls)
+    assert not any(op.startswith('prim::') for op in calls)
 
 
 def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():

@@ -75,3 +75,17 @@ def test_compiled_on_the_cuda_path_one_graph_per_size(monkeypatch):
     for name in ('flatten-pvt-t', 'flatten-swin-t'):
         row = tool.count_graphs(name, [[64, 96], [64, 80]], 'fp32', 1)
         assert row['status'] == 'ok' and row['graphs'] == 2, row
+
+
+def test_a_training_forward_on_the_cuda_path_makes_nothing_of_the_size_again():
+    """The second training forward serves the resize weights of every
+    positional encoding from the cache: no arange, comparison or where (a
+    dozen tiny kernels a layer, made every step before)."""
+    tool = load_tool()
+    rows = tool.main(['--models', 'flatten-pvt-t', 'pvt-t', '--size', '64x96', '--dtypes', 'bf16',
+                      '--batch', '1', '--count-ops'])
+    ours, theirs = (row['op_calls'] for row in rows)
+    assert ours['flatten_mm::triton_attention'] == ours['flatten_mm::triton_conv_add'] == 8
+    assert not {'aten::arange', 'aten::eq', 'aten::where', 'aten::lt'} & set(ours), ours
+    assert 'aten::view' not in ours and not any(op.startswith('prim::') for op in ours)
+    assert rows[0]['ops'] < rows[1]['ops']  # fewer ops than PVT-T's softmax form

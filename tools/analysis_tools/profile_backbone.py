@@ -13,8 +13,10 @@ its DWC) is summed into
 families (matmul, conv, attention, norm, element-wise, reduction,
 layout/copy, resize/gather, other) so two models can be compared line by
 line: CPU time on the CPU, on CUDA the GPU time of the kernels each op
-launched. Also prints the top ops of each model. ``--out`` writes the table
-as JSON.
+launched. Also prints the top ops of each model, and the ATen ops one step
+dispatches (views and other metadata-only ops left out; a ``flatten_mm::``
+op counts once): where steps are short (batch 1-2 on a GPU) each is a kernel
+launch the host pays for, whatever its size. ``--out`` writes the table as JSON.
 """
 import argparse
 import json
@@ -65,6 +67,35 @@ def leaf_self_times(prof, device: str = 'cpu') -> dict:
     return {op: ms for op, ms in times.items() if ms > 0 or device == 'cpu'}
 
 
+# ops that make no kernel: views, metadata, allocation without a fill (and prim::)
+NO_KERNEL = {'view', '_unsafe_view', 'reshape', '_reshape_alias', 'view_as', 'alias', 'detach',
+             'permute', 'transpose', 't', 'unsqueeze', 'squeeze', 'expand', 'slice', 'select',
+             'as_strided', 'split', 'split_with_sizes', 'unbind', 'chunk', 'narrow', 'unflatten',
+             'flatten', 'lift_fresh', 'empty', 'empty_like', 'new_empty', 'empty_strided',
+             'new_empty_strided', 'sym_size', 'sym_stride', 'sym_numel', 'is_same_size',
+             'promote_types'}
+
+
+def count_ops(step) -> dict:
+    """ATen (and ``flatten_mm::``) ops that one call of ``step`` dispatches,
+    by name, ops that make no kernel (``NO_KERNEL``) left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = defaultdict(int)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            packet = func.overloadpacket
+            if packet.__name__ not in NO_KERNEL and func.namespace != 'prim':  # prim::device
+                self.calls[f'{func.namespace}::{packet.__name__}'] += 1
+            return func(*args, **(kwargs or {}))
+    with Counter() as counter:
+        step()
+    return dict(counter.calls)
+
+
 def run_worker(spec: dict) -> dict:
     """One warm-up step, then ``iters`` steps of benchmark_backbone's Case under the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -78,7 +109,7 @@ def run_worker(spec: dict) -> dict:
         wall = sum(case.step().wall_s for _ in range(spec['iters'])) * 1e3 / spec['iters']
     times = leaf_self_times(prof, 'cuda' if device.startswith('cuda') else 'cpu')
     ops = {k: v / spec['iters'] for k, v in times.items()}
-    return dict(spec, wall_ms=wall, ops=ops)
+    return dict(spec, wall_ms=wall, ops=ops, op_calls=count_ops(case.step))
 
 
 def summarise(results):
@@ -98,6 +129,8 @@ def summarise(results):
         f"{sum(families[m].values()):.0f}" for m in models) + ' |')
     print('| wall time under the profiler | ' + ' | '.join(
         f"{r['wall_ms']:.0f}" for r in results) + ' |')
+    print('| ops dispatched per step (count) | ' + ' | '.join(
+        f"{sum(r['op_calls'].values())}" for r in results) + ' |')
     for r in results:
         print(f"\ntop ops of {r['model']}:")
         for op, ms in sorted(r['ops'].items(), key=lambda kv: -kv[1])[:15]:

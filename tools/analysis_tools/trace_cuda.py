@@ -17,7 +17,10 @@ per model: whether it traced, the graph's ``flatten_mm::`` ops and
 convolutions and the dtype the attention ops take, or the error. With
 ``--compile-sizes``, each model is also compiled at those sizes and the first
 again, and must make one graph per distinct size: nothing on the CUDA path
-guarded on but the sizes. The exit status is 1 if any model fails.
+guarded on but the sizes. ``--count-ops`` instead counts the ATen ops one
+eager training forward dispatches on the CUDA path (``profile_backbone.py``'s
+count; softmax models too), after a first forward has filled the model's
+caches: where steps are short each op is a kernel launch. The exit status is 1 if any model fails.
 
 What it does not show: the kernels themselves (the interpreter tests and
 ``kernel_resources.py``), the backward (the autograd engine needs a real GPU),
@@ -116,6 +119,34 @@ def graph_ops(gm) -> tuple:
     return ops, dtypes
 
 
+def count_forward_ops(name: str, size: list, dtype: str, batch: int) -> dict:
+    """Ops of the second eager training forward of one model on fake CUDA
+    tensors. For the count only (the model is dropped after it): the tensor
+    caches keep fake tensors, and the Triton ops' first-use checks, which run
+    kernels, pass."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flatten_mm.models import utils
+    from flatten_mm.models.ops import triton_backend, triton_conv
+    from profile_backbone import count_ops
+    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch)
+    torch.manual_seed(0)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_model(name)
+    model.train()  # mmdet's backbones return None from train()
+    model = Autocast(to_fake_cuda(model, fake_mode), DTYPES[dtype])
+    with mock.patch.object(utils, '_under_tensor_mode', lambda: False), \
+            mock.patch.object(triton_backend, '_agrees_on_first_use', lambda *a: True), \
+            mock.patch.object(triton_conv, '_agrees_on_first_use', lambda *a: True), \
+            use_backend('auto'), cuda_autocast_without_gpu(), fake_mode:
+        x = torch.randn(batch, 3, *size, device='cuda')
+        model(x)
+        row['op_calls'] = count_ops(lambda: model(x))
+    row['ops'] = sum(row['op_calls'].values())
+    row['status'] = 'ok'
+    return row
+
+
 def trace(name: str, size: list, dtype: str, batch: int) -> dict:
     """One model's forward traced for CUDA (see the module docstring)."""
     start = time.perf_counter()
@@ -157,6 +188,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--compile-sizes', nargs='+', type=parse_size, default=[],
                         help='also compile each model at these sizes, then the first again, '
                         'and count the graphs')
+    parser.add_argument('--count-ops', action='store_true',
+                        help='count the ops of an eager training forward instead (any '
+                        'model, softmax ones too)')
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
@@ -165,6 +199,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def summary(row: dict) -> str:
     """One printed line of a :func:`trace` or :func:`count_graphs` row."""
+    if 'op_calls' in row:
+        return (f"{row['model']} {row['size']} {row['dtype']} batch {row['batch']}: "
+                f"{row['ops']} ops in an eager training forward")
     if 'sizes' in row:
         return (f"{row['model']} compiled at {' '.join(row['sizes'])} and the first again, "
                 f"{row['dtype']}: {row.get('graphs')} graphs, {row['status']} "
@@ -181,6 +218,8 @@ def main(argv=None) -> list:
             checks = [lambda: trace(name, args.size, dtype, args.batch)]
             if args.compile_sizes:
                 checks.append(lambda: count_graphs(name, args.compile_sizes, dtype, args.batch))
+            if args.count_ops:  # instead: softmax models count too, but do not trace
+                checks = [lambda: count_forward_ops(name, args.size, dtype, args.batch)]
             for check in checks:
                 rows.append(check())
                 print(summary(rows[-1]), flush=True)

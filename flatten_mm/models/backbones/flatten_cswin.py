@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ...conversion import cswin_convert
 from ..attention import FocusedLinearAttention
-from ..utils import (HWShape, inference_cached, map_to_tokens, pad_to_multiple, stage_grid,
+from ..utils import (HWShape, map_to_tokens, pad_to_multiple, size_cached, stage_grid,
                      tokens_to_map)
 from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_path_rates,
                       window_key_mask, window_merge, window_partition)
@@ -78,7 +78,7 @@ class LePEAttention(nn.Module):
         windows, layout = window_partition(qkv, window, (0, 0))
         Bw, n, _ = windows.shape
         q, k, v = windows.view(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
-        mask = inference_cached(
+        mask = size_cached(
             self, ('mask', (H, W), B, q.dtype, q.device),
             lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
         out = F.scaled_dot_product_attention(

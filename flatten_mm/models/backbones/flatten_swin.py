@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ...conversion import swin_convert
 from ..attention import FocusedLinearAttention
-from ..utils import HWShape, inference_cached, stage_grid, to_2tuple_checked
+from ..utils import HWShape, size_cached, stage_grid, to_2tuple_checked
 from ..layers import (DropPath, Mlp, PatchEmbed, WindowSoftmaxAttention, drop_path_rates,
                       window_key_mask, window_merge, window_partition)
 from .base import Stage, StageOutput, SwinLikeBackbone
@@ -71,9 +71,8 @@ class SwinBlock(nn.Module):
             return self.attn(x, hw_shape, offset)
         B = x.shape[0]
         windows, layout = window_partition(x.view(B, H, W, x.shape[-1]), self.window, offset)
-        mask = inference_cached(self, ('mask', tuple(hw_shape), layout, B, x.device),
-                                lambda: window_key_mask(hw_shape, self.window, layout, B,
-                                                        x.device))
+        mask = size_cached(self, ('mask', tuple(hw_shape), layout, B, x.device),
+                           lambda: window_key_mask(hw_shape, self.window, layout, B, x.device))
         windows = self.attn(windows, self.window, mask)
         return window_merge(windows, self.window, hw_shape, layout).reshape(x.shape)
 

@@ -6,8 +6,8 @@ from flatten_mm import FLattenCSwin
 from flatten_mm.conversion import cswin_convert
 from flatten_mm.models.backbones.flatten_cswin import CSwinBlock, LePEAttention
 
-from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
-                             assert_eval_cache_reused, assert_trains_at_every_size)
+from backbone_checks import (assert_autocast_finite, assert_caches_reused,
+                             assert_cp_gives_same_gradients, assert_trains_at_every_size)
 
 
 def small_cswin(**kw):
@@ -149,5 +149,5 @@ def test_autocast_scaled_inputs_are_finite(dtype):
 
 
 @pytest.mark.parametrize('attn_type', ['LLSS', 'SSSS'])
-def test_eval_caches_size_dependent_tensors(attn_type):
-    assert_eval_cache_reused(small_cswin(attn_type=attn_type))
+def test_caches_size_dependent_tensors(attn_type):
+    assert_caches_reused(small_cswin(attn_type=attn_type))

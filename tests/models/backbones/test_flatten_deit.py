@@ -7,8 +7,8 @@ import torch
 
 from flatten_mm import FLattenDeiT, FocusedLinearAttention
 
-from backbone_checks import (TRAIN_SIZES, assert_cp_gives_same_gradients,
-                             assert_eval_cache_reused, assert_trains_at_every_size,
+from backbone_checks import (TRAIN_SIZES, assert_caches_reused,
+                             assert_cp_gives_same_gradients, assert_trains_at_every_size,
                              small_backbone)
 
 
@@ -110,7 +110,7 @@ def test_state_dict_round_trip_and_other_pretraining_size():
 def test_inference_caches_never_stale():
     """Per-size caches are reused in inference, never served after the
     weights change in place (EMA / mean-teacher updates through .data)."""
-    assert_eval_cache_reused(small())
+    assert_caches_reused(small())
     student = small()
     teacher = copy.deepcopy(student).eval()
     x = torch.randn(1, 3, 45, 67)

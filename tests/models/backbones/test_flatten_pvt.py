@@ -3,8 +3,8 @@ import torch
 
 from flatten_mm import FLattenPVT, FLattenPVTv2
 
-from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
-                             assert_eval_cache_reused, assert_trains_at_every_size)
+from backbone_checks import (assert_autocast_finite, assert_caches_reused,
+                             assert_cp_gives_same_gradients, assert_trains_at_every_size)
 
 
 def small_pvt(cls=FLattenPVT, **kw):
@@ -104,5 +104,5 @@ def test_autocast_scaled_inputs_are_finite(cls, dtype):
 
 
 @pytest.mark.parametrize('cls', [FLattenPVT, FLattenPVTv2])
-def test_eval_caches_size_dependent_tensors(cls):
-    assert_eval_cache_reused(small_pvt(cls))
+def test_caches_size_dependent_tensors(cls):
+    assert_caches_reused(small_pvt(cls))

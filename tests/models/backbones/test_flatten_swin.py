@@ -6,8 +6,8 @@ from flatten_mm.models.backbones.flatten_swin import SwinBlock
 from flatten_mm.models.layers import (window_key_mask, window_layout, window_merge,
                                       window_partition)
 
-from backbone_checks import (assert_autocast_finite, assert_cp_gives_same_gradients,
-                             assert_eval_cache_reused, assert_trains_at_every_size)
+from backbone_checks import (assert_autocast_finite, assert_caches_reused,
+                             assert_cp_gives_same_gradients, assert_trains_at_every_size)
 
 
 def small_swin(**kw):
@@ -153,5 +153,5 @@ def test_bias_table_of_another_window_is_resized_on_load():
 
 
 @pytest.mark.parametrize('kw', [{}, dict(linear_window=7)])
-def test_eval_caches_size_dependent_tensors(kw):
-    assert_eval_cache_reused(small_swin(**kw))
+def test_caches_size_dependent_tensors(kw):
+    assert_caches_reused(small_swin(**kw))

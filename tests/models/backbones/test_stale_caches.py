@@ -16,7 +16,7 @@ def fresh_outputs(model, x):
     """Outputs of a new model of the same config holding ``model``'s weights."""
     fresh = copy.deepcopy(model)
     for m in fresh.modules():
-        m.__dict__.pop('_eval_cache', None)
+        m.__dict__.pop('_tensor_cache', None)
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
         return fresh.eval()(x)
@@ -117,7 +117,8 @@ def test_mmdet_mean_teacher_loop(family):
     (the teacher included, though it never runs in training mode), the
     student's step, MeanTeacherHook's in-place update, then the teacher in
     eval under no_grad for pseudo-labels (SemiBaseDetector.get_pseudo_instances).
-    The teacher never forwards in training mode, so nothing drops its caches."""
+    The teacher never forwards in training mode: its cached encodings stay,
+    checked against its weights on every use."""
     hooks = pytest.importorskip('mmdet.engine.hooks')
     student = small_backbone(family, drop_path_rate=0.)
     model = torch.nn.Module()

@@ -1,0 +1,67 @@
+"""flatten_mm/models/utils.py: the modules' tensor caches."""
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from flatten_mm.models.utils import CACHE_SIZE, size_cached
+
+
+class Counted:
+    """``make`` for size_cached: a fresh tensor per call, counted."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        return torch.arange(4)
+
+
+def test_size_cache_serves_training_and_inference_alike():
+    module, make = nn.Linear(1, 1).train(), Counted()
+    first = size_cached(module, ('mask', 4), make)
+    assert size_cached(module, ('mask', 4), make) is first  # training, gradients on
+    with torch.no_grad():
+        assert size_cached(module.eval(), ('mask', 4), make) is first
+    assert make.calls == 1
+    # None (no padding, say) is a value like any other
+    calls = []
+    for _ in range(2):
+        assert size_cached(module, ('none', ), lambda: calls.append(1)) is None
+    assert len(calls) == 1
+
+
+def test_size_cache_keeps_inference_tensors_apart():
+    """A tensor made under inference_mode cannot be saved for backward: a
+    training step never gets one."""
+    module, make = nn.Linear(1, 1), Counted()
+    with torch.inference_mode():
+        inference = size_cached(module, ('w', ), make)
+    w = size_cached(module, ('w', ), make)
+    assert inference.is_inference() and not w.is_inference() and make.calls == 2
+    x = torch.ones(4, requires_grad=True)
+    (x * w.float()).sum().backward()  # w saved for backward
+    assert torch.equal(x.grad, torch.arange(4.))
+
+
+def test_size_cache_holds_the_last_entries_only():
+    module, make = nn.Linear(1, 1), Counted()
+    for size in range(CACHE_SIZE + 3):
+        size_cached(module, ('mask', size), make)
+    assert len(module.__dict__['_tensor_cache']) == CACHE_SIZE
+    size_cached(module, ('mask', CACHE_SIZE + 2), make)  # still held
+    size_cached(module, ('mask', 0), make)  # evicted: made again
+    assert make.calls == CACHE_SIZE + 4
+
+
+def test_fake_and_proxy_tensors_are_never_cached():
+    """Tensors made under a fake mode (shape propagation) or make_fx must not
+    outlive it: a later real call gets a real tensor."""
+    module = nn.Linear(1, 1)
+    with FakeTensorMode():
+        assert isinstance(size_cached(module, ('mask', ), Counted()), FakeTensor)
+    make_fx(lambda x: x + size_cached(module, ('mask', ), Counted()))(torch.zeros(4))
+    assert '_tensor_cache' not in module.__dict__
+    real = size_cached(module, ('mask', ), Counted())
+    assert type(real) is torch.Tensor and torch.equal(real, torch.arange(4))
