@@ -79,13 +79,20 @@ def test_compiled_on_the_cuda_path_one_graph_per_size(monkeypatch):
 
 def test_a_training_forward_on_the_cuda_path_makes_nothing_of_the_size_again():
     """The second training forward serves the resize weights of every
-    positional encoding from the cache: no arange, comparison or where (a
-    dozen tiny kernels a layer, made every step before)."""
+    positional encoding and the windows' masks from the cache: no arange,
+    comparison or where (a dozen tiny kernels a layer, made every step
+    before), and every family dispatches fewer ops (kernel launches, where
+    steps are short) than its softmax form."""
     tool = load_tool()
-    rows = tool.main(['--models', 'flatten-pvt-t', 'pvt-t', '--size', '64x96', '--dtypes', 'bf16',
-                      '--batch', '1', '--count-ops'])
-    ours, theirs = (row['op_calls'] for row in rows)
-    assert ours['flatten_mm::triton_attention'] == ours['flatten_mm::triton_conv_add'] == 8
-    assert not {'aten::arange', 'aten::eq', 'aten::where', 'aten::lt'} & set(ours), ours
-    assert 'aten::view' not in ours and not any(op.startswith('prim::') for op in ours)
-    assert rows[0]['ops'] < rows[1]['ops']  # fewer ops than PVT-T's softmax form
+    pairs = [('flatten-pvt-t', 'pvt-t'), ('flatten-pvtv2-b1', 'pvtv2-b1'),
+             ('flatten-swin-t', 'swin-t'), ('flatten-cswin-t', 'cswin-t')]
+    rows = tool.main(['--models', *[m for pair in pairs for m in pair], '--size', '64x96',
+                      '--dtypes', 'bf16', '--batch', '1', '--count-ops'])
+    ops = {row['model']: row for row in rows}
+    pvt = ops['flatten-pvt-t']['op_calls']
+    assert pvt['flatten_mm::triton_attention'] == pvt['flatten_mm::triton_conv_add'] == 8
+    assert 'aten::view' not in pvt and not any(op.startswith('prim::') for op in pvt)
+    for ours, theirs in pairs:
+        calls = ops[ours]['op_calls']
+        assert not {'aten::arange', 'aten::eq', 'aten::where', 'aten::lt'} & set(calls), ours
+        assert ops[ours]['ops'] < ops[theirs]['ops'], (ours, ops[ours]['ops'], ops[theirs]['ops'])
