@@ -121,9 +121,9 @@ def graph_ops(gm) -> tuple:
 
 def count_forward_ops(name: str, size: list, dtype: str, batch: int) -> dict:
     """Ops of the second eager training forward of one model on fake CUDA
-    tensors. For the count only (the model is dropped after it): the tensor
-    caches keep fake tensors, and the Triton ops' first-use checks, which run
-    kernels, pass."""
+    tensors. For the count only (the model is dropped after it, the Triton
+    backends' state restored): the tensor caches keep fake tensors, and the
+    Triton ops' first-use checks, which run kernels, pass."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flatten_mm.models import utils
@@ -135,10 +135,13 @@ def count_forward_ops(name: str, size: list, dtype: str, batch: int) -> dict:
     model = build_model(name)
     model.train()  # mmdet's backbones return None from train()
     model = Autocast(to_fake_cuda(model, fake_mode), DTYPES[dtype])
-    with mock.patch.object(utils, '_under_tensor_mode', lambda: False), \
-            mock.patch.object(triton_backend, '_agrees_on_first_use', lambda *a: True), \
-            mock.patch.object(triton_conv, '_agrees_on_first_use', lambda *a: True), \
-            use_backend('auto'), cuda_autocast_without_gpu(), fake_mode:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
+        for module in (triton_backend, triton_conv):
+            stack.enter_context(mock.patch.object(module, '_agrees_on_first_use', lambda *a: True))
+            stack.enter_context(mock.patch.dict(module._KERNELS))  # 'ran' on the first call
+        for context in (use_backend('auto'), cuda_autocast_without_gpu(), fake_mode):
+            stack.enter_context(context)
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
         row['op_calls'] = count_ops(lambda: model(x))
