@@ -98,9 +98,7 @@ def _module_cache(module: nn.Module, inference_only: bool):
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or is_fx_symbolic_tracing():
         return None  # first: a trace must not touch the module's __dict__ (torch 2.11's
         # dynamo cannot trace it: a graph break in every attention layer)
-    if _under_tensor_mode():
-        return None
-    if inference_only and (module.training or torch.is_grad_enabled()):
+    if inference_only and (module.training or torch.is_grad_enabled()) or _under_tensor_mode():
         return None
     return module.__dict__.setdefault('_tensor_cache', collections.OrderedDict())
 
@@ -121,10 +119,7 @@ def _lookup(cache: collections.OrderedDict, key):
 def _store(cache: collections.OrderedDict, key, value):
     cache[key] = value
     while len(cache) > CACHE_SIZE:
-        try:
-            cache.popitem(last=False)
-        except KeyError:
-            break
+        cache.popitem(last=False)
     return value
 
 

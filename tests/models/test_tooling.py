@@ -8,6 +8,8 @@ from timm.layers import create_feature_extractor, get_notrace_functions, get_not
 import flatten_mm  # noqa: F401  (registers the models and their fx leaves in timm)
 from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
 
+from backbone_checks import cache_state, loss_and_grads
+
 # small classifiers of each family: one or two blocks per stage
 SMALL = {
     'flatten_pvt_tiny': dict(depths=[1, 1, 1, 1]),
@@ -30,24 +32,6 @@ BACKBONES = {
 def backbone(kind):
     cls, kw = BACKBONES[kind]
     return cls(**kw, drop_path_rate=0.)
-
-
-def projection_loss(outs, seed=0):
-    """A fixed random projection of the outputs (sums of squares of
-    LayerNorm-ed maps are constant, their gradients rounding noise)."""
-    g = torch.Generator().manual_seed(seed)
-    return sum((o * torch.randn(o.shape, generator=g).to(o.device)).mean() for o in outs)
-
-
-def loss_and_grads(model, x):
-    model.zero_grad()
-    out = model(x)
-    outs = list(out.values()) if isinstance(out, dict) else out
-    outs = [outs] if isinstance(outs, torch.Tensor) else outs
-    loss = projection_loss(outs)
-    loss.backward()
-    params = getattr(model, '_orig_mod', model).named_parameters()  # compiled: the original's
-    return [o.detach() for o in outs], {n: p.grad.clone() for n, p in params}
 
 
 def assert_grads_close(got, want, rtol):
@@ -134,16 +118,15 @@ def test_compiled_training_leaves_the_caches_alone():
         model(x)
     model.train()
     want, want_grads = loss_and_grads(model, x)
-    caches = tensor_caches(model)
-    entries = {n: {k: id(v) for k, v in cache.items()} for n, cache in caches.items()}
+    caches, entries = tensor_caches(model), cache_state(model)
     assert caches
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend='eager')
     got, got_grads = loss_and_grads(compiled, x)
     assert tensor_caches(model).keys() == caches.keys()
-    assert all(model.get_submodule(n).__dict__['_tensor_cache'] is cache and
-               {k: id(v) for k, v in cache.items()} == entries[n]
+    assert all(model.get_submodule(n).__dict__['_tensor_cache'] is cache
                for n, cache in caches.items())
+    assert cache_state(model) == entries
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert_grads_close(got_grads, want_grads, 1e-4)

@@ -217,12 +217,12 @@ def build_model(name: str, release_dir: Optional[str] = None):
 def with_attention_variant(model, variant: str):
     """``model`` with every focused linear attention layer's core swapped for
     ``variant``'s (see the module docstring; '' or 'rev': as built)."""
+    from flatten_mm.analysis import reference_forward
     from flatten_mm.models.attention import FocusedLinearAttention
     for m in model.modules():
         if not isinstance(m, FocusedLinearAttention):
             continue
         if variant == 'reference':
-            from flatten_mm.analysis import reference_forward
             m.forward = (lambda mod: lambda x, hw, key_mask=None:
                          reference_forward(mod, x, hw))(m)
         elif variant == 'identity':  # out = q: no focusing map, no state, no sums

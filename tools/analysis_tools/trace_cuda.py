@@ -84,13 +84,21 @@ def cuda_autocast_without_gpu():
         yield
 
 
-def compile_forward(name: str, sizes: list, dtype: str, batch: int) -> list:
-    """Dynamo's graphs of ``torch.compile(fullgraph=True)`` of one model's
-    training forward on fake CUDA tensors, called at each size in turn."""
+def fake_cuda_model(name: str, dtype: str) -> tuple:
+    """(model under autocast to ``dtype`` in training mode, its fake mode): one
+    model built on CPU, its weights swapped for fake CUDA tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     torch.manual_seed(0)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = Autocast(to_fake_cuda(build_model(name).train(), fake_mode), DTYPES[dtype])
+    model = build_model(name)
+    model.train()  # mmdet's backbones return None from train()
+    return Autocast(to_fake_cuda(model, fake_mode), DTYPES[dtype]), fake_mode
+
+
+def compile_forward(name: str, sizes: list, dtype: str, batch: int) -> list:
+    """Dynamo's graphs of ``torch.compile(fullgraph=True)`` of one model's
+    training forward on fake CUDA tensors, called at each size in turn."""
+    model, fake_mode = fake_cuda_model(name, dtype)
     graphs = []
 
     def backend(gm, _):
@@ -124,17 +132,11 @@ def count_forward_ops(name: str, size: list, dtype: str, batch: int) -> dict:
     tensors. For the count only (the model is dropped after it, the Triton
     backends' state restored): the tensor caches keep fake tensors, and the
     Triton ops' first-use checks, which run kernels, pass."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from flatten_mm.models import utils
     from flatten_mm.models.ops import triton_backend, triton_conv
     from profile_backbone import count_ops
     row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch)
-    torch.manual_seed(0)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = build_model(name)
-    model.train()  # mmdet's backbones return None from train()
-    model = Autocast(to_fake_cuda(model, fake_mode), DTYPES[dtype])
+    model, fake_mode = fake_cuda_model(name, dtype)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
         for module in (triton_backend, triton_conv):
@@ -218,11 +220,13 @@ def main(argv=None) -> list:
     rows = []
     for name in args.models:
         for dtype in args.dtypes:
-            checks = [lambda: trace(name, args.size, dtype, args.batch)]
-            if args.compile_sizes:
-                checks.append(lambda: count_graphs(name, args.compile_sizes, dtype, args.batch))
-            if args.count_ops:  # instead: softmax models count too, but do not trace
+            if args.count_ops:  # instead of the traces: softmax models count too
                 checks = [lambda: count_forward_ops(name, args.size, dtype, args.batch)]
+            else:
+                checks = [lambda: trace(name, args.size, dtype, args.batch)]
+                if args.compile_sizes:
+                    checks.append(lambda: count_graphs(name, args.compile_sizes, dtype,
+                                                       args.batch))
             for check in checks:
                 rows.append(check())
                 print(summary(rows[-1]), flush=True)
