@@ -17,8 +17,9 @@ from .designs import check_design, check_kernel_size, get_design, local_kernel
 from .ops import depthwise_conv_add
 from .ops.conv import torch_conv_add
 from .resize import add_resized, cached_resize_parts, resize_tokens
-from .utils import (HWShape, add_projections, check_heads, check_number, check_positive_int,
-                    map_to_tokens, spatial_reduce, tokens_to_map, to_2tuple_checked)
+from .utils import (HWShape, add_projections, autocast_input, check_heads, check_number,
+                    check_positive_int, map_to_tokens, spatial_reduce, tokens_to_map,
+                    to_2tuple_checked)
 
 
 def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
@@ -199,10 +200,13 @@ class FocusedLinearAttention(nn.Module):
         k and v are two products rather than slices of one, so each is a
         fresh contiguous tensor: the positional encoding is added in place,
         and slicing's backward (a zero-filled buffer per slice) is avoided.
+        Under autocast x is cast once for all of them.
         """
+        x = autocast_input(x)
         q = self.q(x)
         if self.sr_ratio > 1:
             x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
+            x = autocast_input(x)  # the norm's output: fp32 under autocast
         else:
             grid = tuple(hw_shape)
         C = self.embed_dims

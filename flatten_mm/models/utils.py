@@ -182,6 +182,17 @@ def autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
+def autocast_input(x: Tensor) -> Tensor:
+    """``x`` as autocast casts a matmul's input (a float other than float64 to
+    the autocast dtype), for several products of one input: each would cast it
+    again, a pass over x apiece (and another for each gradient)."""
+    device = x.device.type
+    if (has_autocast(device) and torch.is_autocast_enabled(device)
+            and x.is_floating_point() and x.dtype != torch.float64):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 @torch.compiler.assume_constant_result
 def has_autocast(device_type: str) -> bool:
     """Whether ``device_type`` has autocast; a constant to torch.compile (the

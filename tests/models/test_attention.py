@@ -137,6 +137,41 @@ def test_half_precision_autocast_is_finite(dtype):
     assert rel < 0.05
 
 
+@pytest.mark.parametrize('sr_ratio', [1, 2])
+def test_projections_cast_their_input_once_under_autocast(sr_ratio):
+    """q, k and v are three products of one input (k and v of the reduced
+    tokens): under autocast each input is cast once, not once per product (a
+    pass over the tokens each, and another per gradient); x's gradient stays
+    fp32. (Autocast caches the casts of leaf tensors only: x here is not one.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    casts = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32:
+                casts.append('x' if args[0] is x else tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    class Fp32Norm(torch.nn.Module):  # CUDA's autocast runs LayerNorm in fp32, CPU's not
+        def __init__(self, norm):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, t):
+            return self.norm(t).float()
+    layer = FocusedLinearAttention(16, 2, sr_ratio=sr_ratio)
+    if sr_ratio > 1:
+        layer.norm = Fp32Norm(layer.norm)
+    leaf = torch.randn(2, 6 * 8, 16, requires_grad=True)
+    x = leaf * 1
+    with torch.autocast('cpu', dtype=torch.bfloat16), Casts():
+        out = layer(x, (6, 8))
+    assert casts.count('x') == 1, casts
+    assert casts.count((2, 12, 16)) == (sr_ratio > 1), casts  # the reduced tokens
+    out.float().sum().backward()
+    assert leaf.grad.dtype == torch.float32 and torch.isfinite(leaf.grad).all()
+
+
 def test_gradients_reach_every_parameter():
     m = make_module(C=16, heads=2, sr=2, grid=(3, 3)).float()
     x = torch.randn(2, 36, 16, requires_grad=True)

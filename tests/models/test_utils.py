@@ -4,7 +4,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from flatten_mm.models.utils import CACHE_SIZE, size_cached
+from flatten_mm.models.utils import CACHE_SIZE, autocast_input, size_cached
 
 
 class Counted:
@@ -65,3 +65,18 @@ def test_fake_and_proxy_tensors_are_never_cached():
     assert '_tensor_cache' not in module.__dict__
     real = size_cached(module, ('mask', ), Counted())
     assert type(real) is torch.Tensor and torch.equal(real, torch.arange(4))
+
+
+def test_autocast_input_casts_as_autocast_casts_a_matmul_input():
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    assert autocast_input(x) is x  # autocast off
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        for t in (x, x.half()):
+            cast = autocast_input(t)
+            assert cast.dtype == torch.bfloat16
+            assert torch.equal(torch.nn.functional.linear(cast, w),
+                               torch.nn.functional.linear(t, w))
+        assert autocast_input(x.double()).dtype == torch.float64  # autocast leaves fp64
+        assert autocast_input(torch.ones(3, dtype=torch.long)).dtype == torch.long
+        meta = torch.empty(3, 4, device='meta')  # a device without autocast
+        assert autocast_input(meta) is meta
