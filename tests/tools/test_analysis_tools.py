@@ -246,6 +246,21 @@ def test_profile_backbone_sums_op_times_into_families(tmp_path):
     assert calls['aten::addmm'] > 0 and calls['aten::mm'] > 0 and calls['aten::convolution'] > 0
     assert not {'aten::view', 'aten::t', 'aten::expand'} & set(calls)
     assert not any(op.startswith('prim::') for op in calls)
+    assert set(result['op_bytes']) == set(calls) and result['flops'] > 0
+
+
+def test_tally_ops_counts_the_bytes_each_op_reads_and_writes_and_its_flops():
+    tool = load_tool('profile_backbone')
+    x, w, b, y = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16), torch.randn(4, 8)
+    tally = tool.tally_ops(lambda: torch.nn.functional.linear(x, w, b))
+    assert tally.calls == {'aten::addmm': 1}  # the transpose of w makes no kernel
+    # reads b (16), x (32), w's transpose (128), writes (4, 16): fp32 bytes
+    assert tally.bytes == {'aten::addmm': 4 * (16 + 32 + 128 + 64)}
+    assert tally.flops == {'aten::addmm': 2 * 4 * 8 * 16}
+    tally = tool.tally_ops(lambda: (y.add_(x), x.relu()))
+    # y read and written, x read; relu reads x, writes a fresh tensor; no FLOPs formula
+    assert tally.bytes == {'aten::add_': 4 * 32 * 3, 'aten::relu': 4 * 32 * 2}
+    assert tally.flops == {}
 
 
 def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():

@@ -16,7 +16,11 @@ line: CPU time on the CPU, on CUDA the GPU time of the kernels each op
 launched. Also prints the top ops of each model, and the ATen ops one step
 dispatches (views and other metadata-only ops left out; a ``flatten_mm::``
 op counts once): where steps are short (batch 1-2 on a GPU) each is a kernel
-launch the host pays for, whatever its size. ``--out`` writes the table as JSON.
+launch the host pays for, whatever its size. With them the bytes those ops
+read and write and the FLOPs of its matmuls, convolutions and fused attention
+(:func:`tally_ops`): on a GPU most element-wise, norm and layout ops are bound
+by memory bandwidth, and there the bytes say more than the counts.
+``--out`` writes the table as JSON.
 """
 import argparse
 import json
@@ -24,6 +28,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_backbone import Case, check_model_names, parse_size  # noqa: E402
@@ -76,24 +81,53 @@ NO_KERNEL = {'view', '_unsafe_view', 'reshape', '_reshape_alias', 'view_as', 'al
              'promote_types'}
 
 
-def count_ops(step) -> dict:
-    """ATen (and ``flatten_mm::``) ops that one call of ``step`` dispatches,
-    by name, ops that make no kernel (``NO_KERNEL``) left out."""
+class OpTally(NamedTuple):
+    """Per op name: calls, bytes read and written, FLOPs (see :func:`tally_ops`)."""
+    calls: dict
+    bytes: dict
+    flops: dict
+
+
+def tensor_bytes(tree) -> int:
+    """Bytes of the distinct tensors in ``tree`` (any nesting of lists, tuples
+    and dicts), each counted once at its own extent (a view: what it spans)."""
+    from torch.utils._pytree import tree_flatten
+    seen, total = set(), 0
+    for t in tree_flatten(tree)[0]:
+        if hasattr(t, 'element_size') and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def tally_ops(step) -> OpTally:
+    """The ATen (and ``flatten_mm::``) ops one call of ``step`` dispatches, ops
+    that make no kernel (``NO_KERNEL``, ``prim::``) left out: their calls; the
+    bytes of the tensors each reads and writes (inputs, then outputs: an
+    in-place op's tensor counts as read and written; what a kernel re-reads
+    internally or finds in cache is not seen); and the FLOPs of torch's FLOP
+    counter's formulas (matmuls, convolutions, fused attention; none for the
+    rest, ``flatten_mm::`` ops included)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+    tally = OpTally(defaultdict(int), defaultdict(int), defaultdict(int))
 
-    class Counter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = defaultdict(int)
-
+    class Tally(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
             packet = func.overloadpacket
-            if packet.__name__ not in NO_KERNEL and func.namespace != 'prim':  # prim::device
-                self.calls[f'{func.namespace}::{packet.__name__}'] += 1
-            return func(*args, **(kwargs or {}))
-    with Counter() as counter:
+            if packet.__name__ in NO_KERNEL or func.namespace == 'prim':  # prim::device
+                return out
+            name = f'{func.namespace}::{packet.__name__}'
+            tally.calls[name] += 1
+            tally.bytes[name] += tensor_bytes((args, kwargs)) + tensor_bytes(out)
+            if packet in flop_registry:
+                tally.flops[name] += flop_registry[packet](*args, **kwargs, out_val=out)
+            return out
+    with Tally():
         step()
-    return dict(counter.calls)
+    return OpTally(*(dict(d) for d in tally))
 
 
 def run_worker(spec: dict) -> dict:
@@ -109,7 +143,9 @@ def run_worker(spec: dict) -> dict:
         wall = sum(case.step().wall_s for _ in range(spec['iters'])) * 1e3 / spec['iters']
     times = leaf_self_times(prof, 'cuda' if device.startswith('cuda') else 'cpu')
     ops = {k: v / spec['iters'] for k, v in times.items()}
-    return dict(spec, wall_ms=wall, ops=ops, op_calls=count_ops(case.step))
+    tally = tally_ops(case.step)
+    return dict(spec, wall_ms=wall, ops=ops, op_calls=tally.calls, op_bytes=tally.bytes,
+                flops=sum(tally.flops.values()))
 
 
 def summarise(results):
@@ -131,6 +167,10 @@ def summarise(results):
         f"{r['wall_ms']:.0f}" for r in results) + ' |')
     print('| ops dispatched per step (count) | ' + ' | '.join(
         f"{sum(r['op_calls'].values())}" for r in results) + ' |')
+    print('| bytes the ops read and write per step (GB) | ' + ' | '.join(
+        f"{sum(r['op_bytes'].values()) / 1e9:.2f}" for r in results) + ' |')
+    print('| FLOPs of matmuls, convs, fused attention per step (G) | ' + ' | '.join(
+        f"{r['flops'] / 1e9:.1f}" for r in results) + ' |')
     for r in results:
         print(f"\ntop ops of {r['model']}:")
         for op, ms in sorted(r['ops'].items(), key=lambda kv: -kv[1])[:15]:

@@ -18,9 +18,12 @@ convolutions and the dtype the attention ops take, or the error. With
 ``--compile-sizes``, each model is also compiled at those sizes and the first
 again, and must make one graph per distinct size: nothing on the CUDA path
 guarded on but the sizes. ``--count-ops`` instead counts the ATen ops one
-eager training forward dispatches on the CUDA path (``profile_backbone.py``'s
-count; softmax models too), after a first forward has filled the model's
-caches: where steps are short each op is a kernel launch. The exit status is 1 if any model fails.
+eager training forward dispatches on the CUDA path, the bytes they read and
+write and their FLOPs (``profile_backbone.py``'s tally; softmax models too,
+their ``F.scaled_dot_product_attention`` as the GPU's fused kernel), after a
+first forward has filled the model's caches: where steps are short each op is
+a kernel launch; where they are long, most ops are bound by memory bandwidth.
+The exit status is 1 if any model fails.
 
 What it does not show: the kernels themselves (the interpreter tests and
 ``kernel_resources.py``), the backward (the autograd engine needs a real GPU),
@@ -39,13 +42,14 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_backbone import build_model, check_model_names, parse_size  # noqa: E402
 from check_compile import DTYPES  # noqa: E402
 
-from flatten_mm.models.ops import use_backend  # noqa: E402
+from flatten_mm.models.ops import available_backends, use_backend  # noqa: E402
 
 
 class Autocast(nn.Module):
@@ -127,28 +131,59 @@ def graph_ops(gm) -> tuple:
     return ops, dtypes
 
 
-def count_forward_ops(name: str, size: list, dtype: str, batch: int) -> dict:
+def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0., is_causal=False, scale=None, **kwargs):
+    """``F.scaled_dot_product_attention`` on CUDA tensors as a GPU runs it: one
+    fused kernel, flash attention for half dtypes without a mask, else the
+    memory-efficient one (a fake CUDA tensor cannot ask the device, and torch
+    then takes the unfused math path, which writes every score)."""
+    if not q.is_cuda or kwargs:
+        return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+    if torch.is_autocast_enabled('cuda'):  # SDPA casts to the autocast dtype
+        q, k, v = (t.to(torch.get_autocast_dtype('cuda')) for t in (q, k, v))
+    with torch.autocast('cuda', enabled=False):
+        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill_(
+                ~attn_mask, float('-inf'))
+        if attn_mask is not None:  # read where it lies, broadcast (a GPU keeps it in cache)
+            attn_mask = attn_mask.to(q.dtype)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, attn_mask, q.requires_grad, dropout_p, is_causal, scale=scale)[0]
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+def count_forward_ops(name: str, size: list, dtype: str, batch: int,
+                      backend: str = 'auto') -> dict:
     """Ops of the second eager training forward of one model on fake CUDA
-    tensors. For the count only (the model is dropped after it, the Triton
-    backends' state restored): the tensor caches keep fake tensors, and the
-    Triton ops' first-use checks, which run kernels, pass."""
+    tensors (``profile_backbone.tally_ops``: calls, bytes, FLOPs), the core on
+    ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
+    the GPU's fused kernel (:func:`fused_sdpa`). For the count
+    only (the model is dropped after it, the Triton backends' state restored):
+    the tensor caches keep fake tensors, and the Triton ops' first-use checks,
+    which run kernels, pass."""
     from flatten_mm.models import utils
     from flatten_mm.models.ops import triton_backend, triton_conv
-    from profile_backbone import count_ops
-    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch)
+    from profile_backbone import tally_ops
+    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
+               backend=backend)
     model, fake_mode = fake_cuda_model(name, dtype)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
+        stack.enter_context(mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa))
         for module in (triton_backend, triton_conv):
             stack.enter_context(mock.patch.object(module, '_agrees_on_first_use', lambda *a: True))
             stack.enter_context(mock.patch.dict(module._KERNELS))  # 'ran' on the first call
-        for context in (use_backend('auto'), cuda_autocast_without_gpu(), fake_mode):
+        for context in (use_backend(backend), cuda_autocast_without_gpu(), fake_mode):
             stack.enter_context(context)
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
-        row['op_calls'] = count_ops(lambda: model(x))
-    row['ops'] = sum(row['op_calls'].values())
-    row['status'] = 'ok'
+        tally = tally_ops(lambda: model(x))
+    row.update(op_calls=tally.calls, op_bytes=tally.bytes, ops=sum(tally.calls.values()),
+               bytes=sum(tally.bytes.values()), flops=sum(tally.flops.values()), status='ok')
     return row
 
 
@@ -196,6 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--count-ops', action='store_true',
                         help='count the ops of an eager training forward instead (any '
                         'model, softmax ones too)')
+    parser.add_argument('--backend', choices=available_backends(), default='auto',
+                        help="with --count-ops: the attention core's backend ('auto': the "
+                        "Triton ops, as on a GPU)")
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
@@ -205,8 +243,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def summary(row: dict) -> str:
     """One printed line of a :func:`trace` or :func:`count_graphs` row."""
     if 'op_calls' in row:
-        return (f"{row['model']} {row['size']} {row['dtype']} batch {row['batch']}: "
-                f"{row['ops']} ops in an eager training forward")
+        return (f"{row['model']} {row['size']} {row['dtype']} batch {row['batch']}, "
+                f"{row['backend']} core: {row['ops']} ops, {row['bytes'] / 1e9:.2f} GB read and written, "
+                f"{row['flops'] / 1e9:.1f} GFLOP in an eager training forward")
     if 'sizes' in row:
         return (f"{row['model']} compiled at {' '.join(row['sizes'])} and the first again, "
                 f"{row['dtype']}: {row.get('graphs')} graphs, {row['status']} "
@@ -221,7 +260,8 @@ def main(argv=None) -> list:
     for name in args.models:
         for dtype in args.dtypes:
             if args.count_ops:  # instead of the traces: softmax models count too
-                checks = [lambda: count_forward_ops(name, args.size, dtype, args.batch)]
+                checks = [lambda: count_forward_ops(name, args.size, dtype, args.batch,
+                                                    args.backend)]
             else:
                 checks = [lambda: trace(name, args.size, dtype, args.batch)]
                 if args.compile_sizes:
