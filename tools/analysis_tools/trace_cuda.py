@@ -131,6 +131,9 @@ def graph_ops(gm) -> tuple:
     return ops, dtypes
 
 
+_SDPA = F.scaled_dot_product_attention
+
+
 def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0., is_causal=False, scale=None, **kwargs):
     """``F.scaled_dot_product_attention`` on CUDA tensors as a GPU runs it: one
     fused kernel, flash attention for half dtypes without a mask, else the
@@ -153,18 +156,15 @@ def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0., is_causal=False, scale=Non
             q, k, v, attn_mask, q.requires_grad, dropout_p, is_causal, scale=scale)[0]
 
 
-_SDPA = F.scaled_dot_product_attention
-
-
 def count_forward_ops(name: str, size: list, dtype: str, batch: int,
                       backend: str = 'auto') -> dict:
     """Ops of the second eager training forward of one model on fake CUDA
     tensors (``profile_backbone.tally_ops``: calls, bytes, FLOPs), the core on
     ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
-    the GPU's fused kernel (:func:`fused_sdpa`). For the count
-    only (the model is dropped after it, the Triton backends' state restored):
-    the tensor caches keep fake tensors, and the Triton ops' first-use checks,
-    which run kernels, pass."""
+    the GPU's fused kernel (:func:`fused_sdpa`). For the count only (the model
+    is dropped after it, the Triton backends' state restored): the tensor
+    caches keep fake tensors, and the Triton ops' first-use checks, which run
+    kernels, pass."""
     from flatten_mm.models import utils
     from flatten_mm.models.ops import triton_backend, triton_conv
     from profile_backbone import tally_ops
@@ -244,8 +244,8 @@ def summary(row: dict) -> str:
     """One printed line of a :func:`trace` or :func:`count_graphs` row."""
     if 'op_calls' in row:
         return (f"{row['model']} {row['size']} {row['dtype']} batch {row['batch']}, "
-                f"{row['backend']} core: {row['ops']} ops, {row['bytes'] / 1e9:.2f} GB read and written, "
-                f"{row['flops'] / 1e9:.1f} GFLOP in an eager training forward")
+                f"{row['backend']} core: {row['ops']} ops, {row['bytes'] / 1e9:.2f} GB read and "
+                f"written, {row['flops'] / 1e9:.1f} GFLOP in an eager training forward")
     if 'sizes' in row:
         return (f"{row['model']} compiled at {' '.join(row['sizes'])} and the first again, "
                 f"{row['dtype']}: {row.get('graphs')} graphs, {row['status']} "
