@@ -15,7 +15,6 @@ the image border and results do not depend on how much was padded.
 """
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -82,8 +81,14 @@ class SwinBlock(nn.Module):
 
 
 class PatchMerging(nn.Module):
-    """2x2 neighbourhood concat + LayerNorm + linear 4C -> 2C (Swin's order);
-    odd maps are zero-padded at the bottom/right."""
+    """2x2 neighbourhood concat + LayerNorm + linear 4C -> 2C (Swin's order:
+    offsets (0, 0), (1, 0), (0, 1), (1, 1) in (row, column)); odd maps are
+    zero-padded at the bottom/right.
+
+    The concat is one permuted copy of the map rather than four strided slices:
+    a slice's backward writes a zero-filled map of the input's size, and
+    autograd then sums the four (about 4% of FLatten-Swin-T's training
+    traffic at 800x1333, docs/benchmarks.md)."""
 
     def __init__(self, embed_dims: int):
         super().__init__()
@@ -96,9 +101,10 @@ class PatchMerging(nn.Module):
         x = x.view(B, H, W, C)
         if H % 2 or W % 2:
             x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
-        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
-        hw_shape = (x.shape[1], x.shape[2])
-        return self.reduction(self.norm(x.flatten(1, 2))), hw_shape
+        h, w = (H + 1) // 2, (W + 1) // 2
+        # (B, h, row offset, w, column offset, C) -> (B, h, w, column offset, row offset, C)
+        x = x.reshape(B, h, 2, w, 2, C).permute(0, 1, 3, 4, 2, 5).reshape(B, h * w, 4 * C)
+        return self.reduction(self.norm(x)), (h, w)
 
 
 class SwinLayer(nn.Module):

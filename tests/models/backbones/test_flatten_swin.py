@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from flatten_mm import FLattenSwin
-from flatten_mm.models.backbones.flatten_swin import SwinBlock
+from flatten_mm.models.backbones.flatten_swin import PatchMerging, SwinBlock
 from flatten_mm.models.layers import (window_key_mask, window_layout, window_merge,
                                       window_partition)
 
@@ -66,6 +66,24 @@ def test_shifted_windows_never_join_opposite_borders(attn_type):
     assert d[0, 0] > 0
     # the shifted window of (0, 0) holds rows/cols 0..2 only
     assert d[3:].abs().max() == 0 and d[:, 3:].abs().max() == 0
+
+
+@pytest.mark.parametrize('hw', [(4, 6), (5, 7), (1, 1), (3, 2)])
+def test_patch_merging_concatenates_the_2x2_neighbours_in_swins_order(hw):
+    """Swin's merge: the pixels at (row, column) offsets (0, 0), (1, 0), (0, 1)
+    and (1, 1) of each 2x2 neighbourhood concatenated, odd maps zero-padded.
+    Made as one permuted copy; output and gradient equal the four slices'."""
+    merge = PatchMerging(4)
+    H, W = hw
+    x = torch.randn(2, H * W, 4, requires_grad=True)
+    grid = torch.nn.functional.pad(x.view(2, H, W, 4), (0, 0, 0, W % 2, 0, H % 2))
+    parts = [grid[:, i::2, j::2] for i, j in ((0, 0), (1, 0), (0, 1), (1, 1))]
+    h, w = (H + 1) // 2, (W + 1) // 2
+    want = merge.reduction(merge.norm(torch.cat(parts, -1).reshape(2, h * w, 16)))
+    got, got_hw = merge(x, hw)
+    assert got_hw == (h, w) and torch.equal(got, want)
+    probe = torch.randn_like(got)
+    assert torch.equal(*(torch.autograd.grad((y * probe).sum(), x)[0] for y in (got, want)))
 
 
 def test_linear_window_padding_does_not_leak():
