@@ -68,9 +68,9 @@ def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
 
 def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
     """k (B, P + h*w, C) plus ``layer``'s positional encoding on the grid's
-    keys (the last h*w), in place when there is no prefix key; prefix keys get
-    none, and are concatenated back (torch.export traces no in-place write
-    into a slice of k)."""
+    keys (the last h*w), in place in inference when there is no prefix key;
+    prefix keys get none, and are concatenated back (torch.export traces no
+    in-place write into a slice of k)."""
     P = layer.num_prefix_tokens
     if not P:
         return layer.add_positional_encoding_(k, grid)
@@ -190,7 +190,8 @@ class FocusedLinearAttention(nn.Module):
         return resize_tokens(self.positional_encoding, self.pos_grid, grid)
 
     def add_positional_encoding_(self, k: Tensor, grid: HWShape) -> Tensor:
-        """k (B, h*w, C) plus the positional encoding resized to ``grid``, in place."""
+        """k (B, h*w, C) plus the positional encoding resized to ``grid``, in place
+        where no gradient is recorded (:func:`add_resized`)."""
         parts = cached_resize_parts(self, 'pe', self.positional_encoding, self.pos_grid, grid)
         return add_resized(k, parts, inplace=True)
 

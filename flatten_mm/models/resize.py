@@ -90,7 +90,9 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
     the dtype of ``x + resized``, autocast or not: a half x plus an fp32 embedding is fp32
     (the residual stream stays fp32 under autocast, as in the official
     models), and autocast does not make the fused ``baddbmm`` half. In place
-    (a half k plus its positional encoding), it keeps x's dtype."""
+    (a half k plus its positional encoding), it keeps x's dtype, and writes
+    into x only where autograd records nothing: an in-place op on a view
+    makes autograd's backward clone the whole gradient and copy it back."""
     rows, cols = parts
     B = x.shape[0]
     dtype = x.dtype if inplace else torch.promote_types(x.dtype, cols.dtype)
@@ -98,6 +100,8 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
     x3 = x.view(B, -1, cols.shape[-1])
     if x3.dtype != dtype:  # promoted: a new tensor, which the sum can go into
         x3, inplace = x3.to(dtype), True
+    elif torch.is_grad_enabled() and (x.requires_grad or cols.requires_grad):
+        inplace = False
     with autocast_off(x.device.type):
         if rows is None:
             out = x3.add_(cols) if inplace else x3 + cols

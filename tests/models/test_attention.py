@@ -265,6 +265,31 @@ def test_add_resized_under_autocast_as_x_plus_interpolate(dst, x_dtype, inplace)
         assert add_resized(x, parts, inplace=True).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize('dst', [(6, 5), (4, 5)])  # rows resized or not: baddbmm or add
+def test_add_resized_writes_into_x_only_where_no_gradient_is_recorded(dst):
+    """k plus its positional encoding: in place in inference (no new buffer);
+    where autograd records, a new tensor: in place on a view of k, its backward
+    would clone k's whole gradient and copy it back (CopySlices, 3% of
+    FLatten-PVT-T's training traffic). Values and gradients as ``k + resized``."""
+    from flatten_mm.models.resize import add_resized, resize_parts
+    pos = torch.randn(1, 4 * 7, 8, requires_grad=True)
+    leaf = torch.randn(2, dst[0] * dst[1], 8, requires_grad=True)
+    k = leaf * 1
+    want = k + resize_tokens(pos, (4, 7), dst)
+    got = add_resized(k, resize_parts(pos, (4, 7), dst), inplace=True)
+    assert got.data_ptr() != k.data_ptr() and 'CopySlices' not in got.grad_fn.name()
+    torch.testing.assert_close(got, want)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (leaf, pos), grad, retain_graph=True),
+                    torch.autograd.grad(want, (leaf, pos), grad)):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        k = leaf.clone()
+        assert add_resized(k, resize_parts(pos, (4, 7), dst), inplace=True).data_ptr() == \
+            k.data_ptr()
+        torch.testing.assert_close(k, want)
+
+
 def test_resize_runs_on_the_meta_device():
     """Shapes without data (meta tensors), where torch.autocast cannot even be
     turned off: the resize and the sum keep working."""

@@ -261,6 +261,12 @@ def test_tally_ops_counts_the_bytes_each_op_reads_and_writes_and_its_flops():
     # y read and written, x read; relu reads x, writes a fresh tensor; no FLOPs formula
     assert tally.bytes == {'aten::add_': 4 * 32 * 3, 'aten::relu': 4 * 32 * 2}
     assert tally.flops == {}
+    # a depth-wise conv's gradients (input and weight) cost twice its forward
+    # (torch's own backward formula ignores groups: 32x that here)
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1, groups=64)
+    out = conv(torch.randn(2, 64, 8, 8, requires_grad=True))
+    tally = tool.tally_ops(lambda: out.sum().backward())
+    assert tally.flops['aten::convolution_backward'] == 2 * (2 * 2 * 64 * 8 * 8 * 9)
 
 
 def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():
