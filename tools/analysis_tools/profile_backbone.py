@@ -100,6 +100,20 @@ def tensor_bytes(tree) -> int:
     return total
 
 
+def conv_backward_flops(grad_out, x, w, bias_sizes, stride, padding, dilation, transposed,
+                        output_padding, groups, output_mask, out_val=None) -> int:
+    """FLOPs of ``aten.convolution_backward``: the forward convolution's for
+    each of the input's and the weight's gradients asked for. (torch's own
+    formula ignores groups: 32x too many for a depth-wise conv of 64
+    channels.)"""
+    import torch
+    from torch.utils.flop_counter import flop_registry
+    forward = flop_registry[torch.ops.aten.convolution](
+        x, w, None, stride, padding, dilation, transposed, output_padding, groups,
+        out_val=grad_out)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
 def tally_ops(step) -> OpTally:
     """The ATen (and ``flatten_mm::``) ops one call of ``step`` dispatches, ops
     that make no kernel (``NO_KERNEL``, ``prim::``) left out: their calls; the
@@ -108,8 +122,10 @@ def tally_ops(step) -> OpTally:
     internally or finds in cache is not seen); and the FLOPs of torch's FLOP
     counter's formulas (matmuls, convolutions, fused attention; none for the
     rest, ``flatten_mm::`` ops included)."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
+    formulas = {**flop_registry, torch.ops.aten.convolution_backward: conv_backward_flops}
     tally = OpTally(defaultdict(int), defaultdict(int), defaultdict(int))
 
     class Tally(TorchDispatchMode):
@@ -122,8 +138,8 @@ def tally_ops(step) -> OpTally:
             name = f'{func.namespace}::{packet.__name__}'
             tally.calls[name] += 1
             tally.bytes[name] += tensor_bytes((args, kwargs)) + tensor_bytes(out)
-            if packet in flop_registry:
-                tally.flops[name] += flop_registry[packet](*args, **kwargs, out_val=out)
+            if packet in formulas:
+                tally.flops[name] += formulas[packet](*args, **kwargs, out_val=out)
             return out
     with Tally():
         step()

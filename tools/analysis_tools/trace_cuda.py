@@ -17,18 +17,19 @@ per model: whether it traced, the graph's ``flatten_mm::`` ops and
 convolutions and the dtype the attention ops take, or the error. With
 ``--compile-sizes``, each model is also compiled at those sizes and the first
 again, and must make one graph per distinct size: nothing on the CUDA path
-guarded on but the sizes. ``--count-ops`` instead counts the ATen ops one
-eager training forward dispatches on the CUDA path, the bytes they read and
-write and their FLOPs (``profile_backbone.py``'s tally; softmax models too,
-their ``F.scaled_dot_product_attention`` as the GPU's fused kernel), after a
-first forward has filled the model's caches: where steps are short each op is
-a kernel launch; where they are long, most ops are bound by memory bandwidth.
+guarded on but the sizes. ``--count-ops`` instead counts the ATen ops of one
+eager training step on the CUDA path, forward and backward, the bytes they
+read and write and their FLOPs (``profile_backbone.py``'s tally; softmax
+models too, their ``F.scaled_dot_product_attention`` as the GPU's fused
+kernel), after a first forward has filled the model's caches: where steps are
+short each op is a kernel launch; where they are long, most ops are bound by
+memory bandwidth. The backward runs autograd's nodes from Python
+(:func:`run_backward`): the engine itself needs a real GPU for CUDA tensors.
 The exit status is 1 if any model fails.
 
 What it does not show: the kernels themselves (the interpreter tests and
-``kernel_resources.py``), the backward (the autograd engine needs a real GPU),
-and speed (``check_compile.py --device cuda`` on a GPU). Two CUDA-only
-problems were found this way: a graph break in every fp32 layer (the TF32
+``kernel_resources.py``), and speed (``check_compile.py --device cuda`` on a
+GPU). Two CUDA-only problems were found this way: a graph break in every fp32 layer (the TF32
 setting read through a C getter dynamo cannot trace) and a recompile of every
 graph once the fused conv's kernels were imported.
 """
@@ -46,7 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_backbone import build_model, check_model_names, parse_size  # noqa: E402
+from benchmark_backbone import (build_model, check_model_names, model_outputs,  # noqa: E402
+                                parse_size)
 from check_compile import DTYPES  # noqa: E402
 
 from flatten_mm.models.ops import available_backends, use_backend  # noqa: E402
@@ -156,10 +158,48 @@ def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0., is_causal=False, scale=Non
             q, k, v, attn_mask, q.requires_grad, dropout_p, is_causal, scale=scale)[0]
 
 
-def count_forward_ops(name: str, size: list, dtype: str, batch: int,
-                      backend: str = 'auto') -> dict:
-    """Ops of the second eager training forward of one model on fake CUDA
-    tensors (``profile_backbone.tally_ops``: calls, bytes, FLOPs), the core on
+def run_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` with autograd's nodes called from Python, for fake
+    CUDA tensors (autograd's engine needs a real device for CUDA tensors):
+    each node once, after all that feed it; each gradient summed to the
+    shape and cast to the dtype its next node takes (the engine's checks),
+    the gradients of one input summed; leaves' gradients go to ``.grad``."""
+    waiting, stack = Counter(), [loss.grad_fn]
+    while stack:  # how many gradients each node waits for
+        for node, _ in stack.pop().next_functions:
+            if node is not None:
+                waiting[node] += 1
+                if waiting[node] == 1:
+                    stack.append(node)
+    grads, ready = {loss.grad_fn: {0: torch.ones_like(loss)}}, [loss.grad_fn]
+    while ready:
+        node = ready.pop()
+        given = grads.pop(node, {})
+        args = [given.get(i) for i in range(len(node._input_metadata))]
+        if hasattr(node, 'variable'):  # AccumulateGrad: a leaf
+            leaf = node.variable
+            leaf.grad = args[0] if leaf.grad is None else leaf.grad + args[0]
+            continue
+        outs = node(*args) if callable(node) else node.apply(*args)  # C++ / Python node
+        for (nxt, slot), grad in zip(node.next_functions, (outs if isinstance(outs, tuple)
+                                                           else (outs,))):
+            if nxt is None:
+                continue
+            if grad is not None:
+                meta = nxt._input_metadata[slot]
+                grad = grad.sum_to_size(list(meta.shape)).to(meta.dtype)
+                into = grads.setdefault(nxt, {})
+                into[slot] = grad if slot not in into else into[slot] + grad
+            waiting[nxt] -= 1
+            if not waiting[nxt]:
+                ready.append(nxt)
+
+
+def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str = 'auto') -> dict:
+    """Ops of the second eager training step of one model on fake CUDA tensors
+    (``profile_backbone.tally_ops``: calls, bytes, FLOPs), the forward and,
+    under ``'backward'``, the backward of the mean of its outputs (as
+    ``benchmark_backbone.py``'s step; :func:`run_backward`). The core runs on
     ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
     the GPU's fused kernel (:func:`fused_sdpa`). For the count only (the model
     is dropped after it, the Triton backends' state restored): the tensor
@@ -168,8 +208,6 @@ def count_forward_ops(name: str, size: list, dtype: str, batch: int,
     from flatten_mm.models import utils
     from flatten_mm.models.ops import triton_backend, triton_conv
     from profile_backbone import tally_ops
-    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
-               backend=backend)
     model, fake_mode = fake_cuda_model(name, dtype)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
@@ -181,9 +219,15 @@ def count_forward_ops(name: str, size: list, dtype: str, batch: int,
             stack.enter_context(context)
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
-        tally = tally_ops(lambda: model(x))
-    row.update(op_calls=tally.calls, op_bytes=tally.bytes, ops=sum(tally.calls.values()),
-               bytes=sum(tally.bytes.values()), flops=sum(tally.flops.values()), status='ok')
+        losses = []
+        forward = tally_ops(lambda: losses.append(
+            sum(o.float().mean() for o in model_outputs(model(x)))))
+        backward = tally_ops(lambda: run_backward(losses[0]))
+    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
+               backend=backend, status='ok')
+    for part, tally in (('forward', forward), ('backward', backward)):
+        row[part] = dict(op_calls=tally.calls, op_bytes=tally.bytes, ops=sum(tally.calls.values()),
+                         bytes=sum(tally.bytes.values()), flops=sum(tally.flops.values()))
     return row
 
 
@@ -229,7 +273,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help='also compile each model at these sizes, then the first again, '
                         'and count the graphs')
     parser.add_argument('--count-ops', action='store_true',
-                        help='count the ops of an eager training forward instead (any '
+                        help='count the ops of an eager training step instead (any '
                         'model, softmax ones too)')
     parser.add_argument('--backend', choices=available_backends(), default='auto',
                         help="with --count-ops: the attention core's backend ('auto': the "
@@ -242,10 +286,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def summary(row: dict) -> str:
     """One printed line of a :func:`trace` or :func:`count_graphs` row."""
-    if 'op_calls' in row:
+    if 'forward' in row:
+        fwd, bwd = row['forward'], row['backward']
         return (f"{row['model']} {row['size']} {row['dtype']} batch {row['batch']}, "
-                f"{row['backend']} core: {row['ops']} ops, {row['bytes'] / 1e9:.2f} GB read and "
-                f"written, {row['flops'] / 1e9:.1f} GFLOP in an eager training forward")
+                f"{row['backend']} core, training step: forward {fwd['ops']} ops, "
+                f"{fwd['bytes'] / 1e9:.2f} GB read and written, {fwd['flops'] / 1e9:.0f} GFLOP; "
+                f"backward {bwd['ops']} ops, {bwd['bytes'] / 1e9:.2f} GB, "
+                f"{bwd['flops'] / 1e9:.0f} GFLOP")
     if 'sizes' in row:
         return (f"{row['model']} compiled at {' '.join(row['sizes'])} and the first again, "
                 f"{row['dtype']}: {row.get('graphs')} graphs, {row['status']} "
@@ -260,8 +307,8 @@ def main(argv=None) -> list:
     for name in args.models:
         for dtype in args.dtypes:
             if args.count_ops:  # instead of the traces: softmax models count too
-                checks = [lambda: count_forward_ops(name, args.size, dtype, args.batch,
-                                                    args.backend)]
+                checks = [lambda: count_step_ops(name, args.size, dtype, args.batch,
+                                                 args.backend)]
             else:
                 checks = [lambda: trace(name, args.size, dtype, args.batch)]
                 if args.compile_sizes:
