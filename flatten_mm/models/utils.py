@@ -91,8 +91,22 @@ def _under_tensor_mode() -> bool:
     return get(keys.FAKE) is not None or get(keys.PROXY) is not None
 
 
+class TensorCache(collections.OrderedDict):
+    """A module's cached tensors: derived values, so a copy of the module
+    (``copy.deepcopy``: EMA and teacher models) or a pickle of it starts
+    empty. Copying them would copy stale values along, and fail for views of
+    a parameter made without gradient once the parameter has been updated in
+    place (autograd forbids deep-copying such a view)."""
+
+    def __deepcopy__(self, memo) -> 'TensorCache':
+        return TensorCache()
+
+    def __reduce__(self):
+        return TensorCache, ()
+
+
 def _module_cache(module: nn.Module, inference_only: bool):
-    """``module``'s cache (an OrderedDict), or None when nothing may be cached:
+    """``module``'s cache (a :class:`TensorCache`), or None when nothing may be cached:
     while compiling or tracing, under a fake or proxy tensor mode, and, if
     ``inference_only``, in training mode or with gradients recorded."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or is_fx_symbolic_tracing():
@@ -100,7 +114,7 @@ def _module_cache(module: nn.Module, inference_only: bool):
         # dynamo cannot trace it: a graph break in every attention layer)
     if inference_only and (module.training or torch.is_grad_enabled()) or _under_tensor_mode():
         return None
-    return module.__dict__.setdefault('_tensor_cache', collections.OrderedDict())
+    return module.__dict__.setdefault('_tensor_cache', TensorCache())
 
 
 _MISSING = object()

@@ -80,3 +80,27 @@ def test_autocast_input_casts_as_autocast_casts_a_matmul_input():
         assert autocast_input(torch.ones(3, dtype=torch.long)).dtype == torch.long
         meta = torch.empty(3, 4, device='meta')  # a device without autocast
         assert autocast_input(meta) is meta
+
+
+def test_copies_of_a_module_start_with_an_empty_cache():
+    """An eval forward caches the positional encoding resized along rows only:
+    a view of the parameter, made without gradient. After an in-place update
+    of the parameter (an optimizer or EMA step) autograd refuses to deep-copy
+    that view, so ``copy.deepcopy(model)`` (EMA and teacher models, model
+    soups) failed. Copies and pickles start empty; the copy computes what the
+    original does."""
+    import copy
+    import pickle
+    from flatten_mm import FocusedLinearAttention
+    layer = FocusedLinearAttention(8, 1, pos_grid=(6, 3)).eval()
+    x = torch.randn(1, 4 * 3, 8)
+    with torch.no_grad():
+        layer(x, (4, 3))  # key grid (4, 3): only rows resized
+        assert layer.__dict__['_tensor_cache']
+        for p in layer.parameters():
+            p.add_(0.01)
+    twin = copy.deepcopy(layer)
+    assert not twin.__dict__['_tensor_cache']
+    assert not pickle.loads(pickle.dumps(layer)).__dict__['_tensor_cache']
+    with torch.no_grad():
+        assert torch.equal(twin(x, (4, 3)), layer(x, (4, 3)))
