@@ -49,6 +49,9 @@ def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tenso
     if x.dim() != 3 or x.shape[-1] != embed_dims:
         raise ValueError(f'x must be (B, N, {embed_dims}), got {tuple(x.shape)}')
     H, W = hw_shape
+    if x.shape[0] < 1 or H < 1 or W < 1:
+        raise ValueError(f'x must hold at least one image and hw_shape be positive, got x '
+                         f'{tuple(x.shape)}, hw_shape {tuple(hw_shape)}')
     if num_prefix_tokens + H * W != x.shape[1]:
         prefix = f' and {num_prefix_tokens} prefix token(s)' if num_prefix_tokens else ''
         raise ValueError(f'hw_shape {tuple(hw_shape)}{prefix} does not match N={x.shape[1]}')

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -203,6 +205,13 @@ def test_bad_input_shapes():
         m(torch.randn(1, 24, 32), (5, 5))
     with pytest.raises(ValueError, match=r'x must be \(B, N, 32\)'):
         m(torch.randn(1, 25, 16), (5, 5))
+    # an empty batch, no tokens, negative sides whose product is N: failed deep inside
+    for x, hw in ((torch.randn(0, 16, 32), (4, 4)), (torch.randn(1, 0, 32), (0, 4)),
+                  (torch.randn(1, 16, 32), (-4, -4))):
+        named = re.escape(f'got x {tuple(x.shape)}, hw_shape {hw}')
+        with pytest.raises(ValueError, match='at least one image and hw_shape be positive, '
+                                             + named):
+            m(x, hw)
 
 
 def test_fused_qkv_checkpoint_is_split():

@@ -195,7 +195,7 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
             share = k.new_full((1, 1, 1), 1.0 / k.shape[1])
         else:
             m = key_mask.to(k.dtype).unsqueeze(-1)
-            share = m / m.sum(1, keepdim=True)
+            share = m / m.sum(1, keepdim=True).clamp_min(1)  # no key: 0, no 0/0
         return parts, rk / tk, share
 
     @staticmethod

@@ -115,15 +115,45 @@ def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
         focusing_factor (float): the power p.
         num_heads (int): heads h; C = h * d.
         key_mask (Tensor, optional): (B, n) bool, False for keys (padding)
-            that take no part in any query's attention.
+            that take no part in any query's attention (an image without
+            any key gets 0).
         overwrite_qk (bool): q and k may be overwritten when no gradient is
             recorded (saves two buffers in inference).
 
     Returns:
         Tensor: (B, N, C) in v's dtype.
     """
+    check_call(q, k, v, scale, focusing_factor, num_heads, key_mask)
     fn = backend_of('attention', q, k, v, key_mask, num_heads)
     return fn(q, k, v, scale, focusing_factor, num_heads, key_mask, overwrite_qk)
+
+
+def check_call(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
+               num_heads: int, key_mask: Optional[Tensor]) -> int:
+    """The head width d of a call of :func:`focused_linear_attention`, after
+    checking its arguments: a clear error for every backend, where the
+    backends' own reshapes would fail deep inside or, for ``num_heads`` not
+    dividing C, return fewer channels."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f'q must be (B, N, C) and k, v (B, n, C), got q {tuple(q.shape)}, '
+                         f'k {tuple(k.shape)}, v {tuple(v.shape)}')
+    B, N, C = q.shape
+    if k.shape[0] != B or k.shape[2] != C or min(B, N, k.shape[1]) < 1:
+        raise ValueError(f'q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and '
+                         f'channels and hold at least one image and one token')
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 \
+            or C % num_heads:
+        raise ValueError(f'num_heads must be a positive divisor of C={C}, got {num_heads!r}')
+    if isinstance(focusing_factor, bool) or not isinstance(focusing_factor, (int, float)) \
+            or not 0 < focusing_factor < float('inf'):
+        raise ValueError(f'focusing_factor must be a positive number, got {focusing_factor!r}')
+    if scale.numel() != C:
+        raise ValueError(f'scale must hold C={C} elements, got shape {tuple(scale.shape)}')
+    if key_mask is not None and (key_mask.dtype != torch.bool or
+                                 key_mask.shape != k.shape[:2]):
+        raise ValueError(f'key_mask must be bool of shape {tuple(k.shape[:2])}, got '
+                         f'{key_mask.dtype} {tuple(key_mask.shape)}')
+    return C // num_heads
 
 
 def in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args) -> Tensor:

@@ -53,7 +53,7 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
         # of the key mean, whatever V holds there
         m = key_mask.to(q.dtype).unsqueeze(-1)
         k = k * m
-        count = m.sum(dim=1, keepdim=True)
+        count = m.sum(dim=1, keepdim=True).clamp_min(1)  # no key: the term is 0, no 0/0
     qh = q.view(B, N, num_heads, d)
     kh = k.view(B, n, num_heads, d)
     vh = v.view(B, n, num_heads, d)

@@ -225,27 +225,13 @@ def check_runnable(x: Tensor) -> None:
 
 def check_call(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, num_heads: int,
                key_mask: Optional[Tensor]) -> int:
-    """The head width d of a call, after checking its shapes and dtypes."""
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f'q must be (B, N, C) and k, v (B, n, C), got q {tuple(q.shape)}, '
-                         f'k {tuple(k.shape)}, v {tuple(v.shape)}')
-    B, N, C = q.shape
-    if k.shape[0] != B or k.shape[2] != C or N < 1 or k.shape[1] < 1:
-        raise ValueError(f'q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and '
-                         f'channels and hold at least one token')
-    if num_heads < 1 or C % num_heads:
-        raise ValueError(f'num_heads must be a positive divisor of C={C}, got {num_heads}')
+    """The head width d of a call, after checking its dtypes (the dispatcher
+    checks the rest: :func:`.dispatch.check_call`)."""
     for name, x in (('q', q), ('k', k), ('v', v)):
         if x.dtype not in DTYPES:
             raise ValueError(f"the 'triton' attention backend takes {DTYPES}, got {name} in "
                              f'{x.dtype}')
-    if scale.numel() != C:
-        raise ValueError(f'scale must hold C={C} elements, got shape {tuple(scale.shape)}')
-    if key_mask is not None and (key_mask.dtype != torch.bool or
-                                 key_mask.shape != k.shape[:2]):
-        raise ValueError(f'key_mask must be bool of shape {tuple(k.shape[:2])}, got '
-                         f'{key_mask.dtype} {tuple(key_mask.shape)}')
-    return C // num_heads
+    return q.shape[-1] // num_heads
 
 
 def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,

@@ -556,7 +556,7 @@ def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.devi
     """(B,) fp32: 1 / the number of real keys of each image."""
     if key_mask is None:
         return torch.full((B, ), 1.0 / n, dtype=torch.float32, device=device)
-    return 1.0 / key_mask.sum(1, dtype=torch.float32)
+    return 1.0 / key_mask.sum(1, dtype=torch.float32).clamp_min(1)  # no key: 0, no 0/0
 
 
 def _launch_opts(pl: Plan) -> dict:

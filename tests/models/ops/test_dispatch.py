@@ -86,3 +86,49 @@ def test_module_forward_goes_through_the_switch():
         ops.register_backend('reference', original)
     assert calls == [1]
     torch.testing.assert_close(m(x, (3, 4)), ref)
+
+
+@pytest.mark.parametrize('backend', ['auto', 'torch', 'reference'])
+def test_bad_calls_get_a_clear_error_on_every_backend(backend):
+    """Checked once for all backends: before, num_heads not dividing C made the
+    torch backend return fewer channels (C=8, 3 heads: 6), and the others
+    failed inside their reshapes or divided by zero."""
+    q, k, v, scale = inputs()
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    bad = [
+        (dict(num_heads=3), r'num_heads must be a positive divisor of C=8, got 3'),
+        (dict(num_heads=0), r'num_heads .* got 0'),
+        (dict(focusing_factor=0.), r'focusing_factor must be a positive number, got 0\.0'),
+        (dict(focusing_factor=float('nan')), r'focusing_factor .* got nan'),
+        (dict(scale=scale[..., :4]), r'scale must hold C=8 elements, got shape \(1, 1, 4\)'),
+        (dict(k=k[..., :4], v=v[..., :4]), r'must share batch and channels'),
+        (dict(k=k[:, :0], v=v[:, :0]), r'at least one image and one token'),
+        (dict(q=q[:0], k=k[:0], v=v[:0]), r'at least one image and one token'),
+        (dict(key_mask=mask[:, :4]), r'key_mask must be bool of shape \(2, 9\), got '
+                                     r'torch.bool \(2, 4\)'),
+        (dict(key_mask=mask.float()), r'key_mask must be bool .* got torch.float32'),
+    ]
+    for change, message in bad:
+        call = dict(q=q, k=k, v=v, scale=scale, focusing_factor=3.0, num_heads=2, key_mask=None)
+        call.update(change)
+        with use_backend(backend), pytest.raises(ValueError, match=message):
+            focused_linear_attention(**call)
+
+
+@pytest.mark.parametrize('backend', [b for b in ('reference', 'torch', 'triton')
+                                     if b in available_backends()])
+def test_an_image_whose_keys_are_all_masked_gets_a_zero_term(backend):
+    """No key takes part: the attention term is 0 (the sums are empty), as for
+    torch's softmax attention over keys all masked out; before, 0 / 0 made it
+    NaN on every backend, and NaN gradients. The other image is unaffected."""
+    q, k, v, scale = (t.detach().float().requires_grad_() for t in inputs())
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1] = False
+    with use_backend(backend):
+        out = focused_linear_attention(q, k, v, scale, 3.0, 2, mask)
+        alone = focused_linear_attention(q[:1], k[:1], v[:1], scale, 3.0, 2)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[:1], alone, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, scale))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert not grads[0][1].any() and not grads[2][1].any()
