@@ -202,8 +202,9 @@ class FocusedLinearAttention(nn.Module):
         """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid.
 
         k and v are two products rather than slices of one, so each is a
-        fresh contiguous tensor: the positional encoding is added in place,
-        and slicing's backward (a zero-filled buffer per slice) is avoided.
+        fresh contiguous tensor: the positional encoding is added in place in
+        inference, and slicing's backward (a zero-filled buffer per slice) is
+        avoided.
         Under autocast x is cast once for all of them.
         """
         x = autocast_input(x)

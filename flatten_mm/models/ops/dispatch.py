@@ -129,11 +129,10 @@ def focused_linear_attention(q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
 
 
 def check_call(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
-               num_heads: int, key_mask: Optional[Tensor]) -> int:
-    """The head width d of a call of :func:`focused_linear_attention`, after
-    checking its arguments: a clear error for every backend, where the
-    backends' own reshapes would fail deep inside or, for ``num_heads`` not
-    dividing C, return fewer channels."""
+               num_heads: int, key_mask: Optional[Tensor]) -> None:
+    """A clear error for a bad call of :func:`focused_linear_attention`, on
+    every backend: their own reshapes would fail deep inside or, for
+    ``num_heads`` not dividing C, return fewer channels."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f'q must be (B, N, C) and k, v (B, n, C), got q {tuple(q.shape)}, '
                          f'k {tuple(k.shape)}, v {tuple(v.shape)}')
@@ -153,7 +152,6 @@ def check_call(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: 
                                  key_mask.shape != k.shape[:2]):
         raise ValueError(f'key_mask must be bool of shape {tuple(k.shape[:2])}, got '
                          f'{key_mask.dtype} {tuple(key_mask.shape)}')
-    return C // num_heads
 
 
 def in_fp32(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args) -> Tensor:

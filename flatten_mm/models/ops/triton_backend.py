@@ -223,15 +223,13 @@ def check_runnable(x: Tensor) -> None:
             f"before its first call")
 
 
-def check_call(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, num_heads: int,
-               key_mask: Optional[Tensor]) -> int:
-    """The head width d of a call, after checking its dtypes (the dispatcher
-    checks the rest: :func:`.dispatch.check_call`)."""
+def check_dtypes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """The kernels' dtypes (the dispatcher checks the rest of a call:
+    :func:`.dispatch.check_call`)."""
     for name, x in (('q', q), ('k', k), ('v', v)):
         if x.dtype not in DTYPES:
             raise ValueError(f"the 'triton' attention backend takes {DTYPES}, got {name} in "
                              f'{x.dtype}')
-    return q.shape[-1] // num_heads
 
 
 def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
@@ -240,7 +238,8 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
     """The backend (:func:`.dispatch.focused_linear_attention`'s signature): one
     forward op; s_inv = 1 / softplus(scale) in fp32 by PyTorch ops, so autograd
     takes the gradient on to ``scale``. ``overwrite_qk`` is moot (q and k are only read)."""
-    d = check_call(q, k, v, scale, num_heads, key_mask)
+    check_dtypes(q, k, v)
+    d = q.shape[-1] // num_heads
     if d > MAX_HEAD_DIM:
         raise ValueError(f"the 'triton' attention backend takes head widths up to "
                          f'{MAX_HEAD_DIM}, got d={d} (C={q.shape[-1]}, num_heads={num_heads})')
