@@ -19,7 +19,9 @@ op counts once): where steps are short (batch 1-2 on a GPU) each is a kernel
 launch the host pays for, whatever its size. With them the bytes those ops
 read and write and the FLOPs of its matmuls, convolutions and fused attention
 (:func:`tally_ops`): on a GPU most element-wise, norm and layout ops are bound
-by memory bandwidth, and there the bytes say more than the counts.
+by memory bandwidth, and there the bytes say more than the counts; each top
+op's bytes over its time is the rate it reaches (on an H200, against about
+4.8 TB/s: how near each kernel, the core's included, comes to the memory's).
 ``--out`` writes the table as JSON.
 """
 import argparse
@@ -188,9 +190,11 @@ def summarise(results):
     print('| FLOPs of matmuls, convs, fused attention per step (G) | ' + ' | '.join(
         f"{r['flops'] / 1e9:.1f}" for r in results) + ' |')
     for r in results:
-        print(f"\ntop ops of {r['model']}:")
+        print(f"\ntop ops of {r['model']} (time, bytes read and written, their rate):")
         for op, ms in sorted(r['ops'].items(), key=lambda kv: -kv[1])[:15]:
-            print(f'  {ms:8.1f} ms  {op}  [{family_of(op)}]')
+            gb = r['op_bytes'].get(op, 0) / 1e9
+            rate = f'{gb / ms * 1e3:7.0f} GB/s' if ms > 0 and gb else ' ' * 12
+            print(f'  {ms:8.1f} ms  {gb:7.2f} GB  {rate}  {op}  [{family_of(op)}]')
     return families
 
 
