@@ -58,9 +58,10 @@ def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tenso
     if key_mask is not None and sr_ratio > 1:
         raise ValueError('key_mask needs sr_ratio=1: reduced keys mix padded '
                          f'and real tokens (sr_ratio={sr_ratio})')
-    if key_mask is not None and tuple(key_mask.shape) != tuple(x.shape[:2]):
-        raise ValueError(f'key_mask must be (B, N) = {tuple(x.shape[:2])}, one entry per '
-                         f'token of x, got {tuple(key_mask.shape)}')
+    if key_mask is not None and (tuple(key_mask.shape) != tuple(x.shape[:2])
+                                 or key_mask.dtype != torch.bool):
+        raise ValueError(f'key_mask must be bool (B, N) = {tuple(x.shape[:2])}, one entry '
+                         f'per token of x, got {key_mask.dtype} {tuple(key_mask.shape)}')
 
 
 def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:

@@ -205,6 +205,8 @@ def test_bad_input_shapes():
         m(torch.randn(1, 24, 32), (5, 5))
     with pytest.raises(ValueError, match=r'x must be \(B, N, 32\)'):
         m(torch.randn(1, 25, 16), (5, 5))
+    with pytest.raises(ValueError, match=r'key_mask must be bool .* got torch.float32 \(1, 25\)'):
+        m(torch.randn(1, 25, 32), (5, 5), torch.ones(1, 25))  # a float mask: was taken
     # an empty batch, no tokens, negative sides whose product is N: failed deep inside
     for x, hw in ((torch.randn(0, 16, 32), (4, 4)), (torch.randn(1, 0, 32), (0, 4)),
                   (torch.randn(1, 16, 32), (-4, -4))):

@@ -432,8 +432,9 @@ def test_key_mask_of_the_wrong_shape_is_named(name, shape):
     is a ValueError naming both shapes in every design (it was a shape error
     from inside torch, and (1, N) ran in some designs only)."""
     m = FocusedLinearAttention(32, 4, design=name, pos_grid=4, num_prefix_tokens=1)
-    with pytest.raises(ValueError, match=r'key_mask must be \(B, N\) = \(2, 21\), one entry '
-                                         r'per token of x, got ' + re.escape(str(shape))):
+    with pytest.raises(ValueError, match=r'key_mask must be bool \(B, N\) = \(2, 21\), one '
+                                         r'entry per token of x, got torch.bool '
+                                         + re.escape(str(shape))):
         m(torch.randn(2, 21, 32), (4, 5), torch.ones(shape, dtype=torch.bool))
 
 
