@@ -7,6 +7,7 @@ never reaches the Triton backend's choice (the fp32 TF32 read that broke every
 fp32 CUDA layer's graph passed every CPU test)."""
 import importlib.util
 import os.path as osp
+import sys
 
 import pytest
 
@@ -140,3 +141,43 @@ def test_run_backward_gives_the_engines_gradients():
     tool.run_backward(loss)
     for p, g in zip(params, want):
         torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-9)
+
+
+RELEASE_STAND_IN = """
+import timm.models
+import torch
+
+
+@timm.models.register_model  # as the authors' code: over flatten_mm's registration
+def flatten_pvt_tiny(**kwargs):
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, 4), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(8, 10))
+"""
+
+
+def test_counts_the_authors_release_after_ours(tmp_path, monkeypatch):
+    """``release:NAME`` from a checkout of the authors' repository (a stand-in
+    with its layout). Importing it registers its names with timm over ours, so
+    its models are counted last, whatever the order asked: ``timm:NAME`` is
+    still flatten_mm's (its attention ops on the CUDA path)."""
+    import timm
+    tool = load_tool()
+    models = tmp_path / 'release' / 'models'
+    models.mkdir(parents=True)
+    (models / '__init__.py').write_text('')
+    (models / 'flatten_pvt.py').write_text(RELEASE_STAND_IN)
+    import flatten_mm  # noqa: F401  (registers ours)
+    entry = timm.models.model_entrypoint('flatten_pvt_tiny')
+    monkeypatch.setattr(sys, 'path', sys.path[:])  # the tool puts the checkout first
+    try:
+        rows = tool.main(['--models', 'release:flatten_pvt_tiny', 'timm:flatten_pvt_tiny',
+                          '--size', '64', '--dtypes', 'bf16', '--batch', '1', '--count-ops',
+                          '--release-dir', str(tmp_path / 'release')])
+    finally:  # the stand-in out of timm's registry and of the imported modules
+        timm.models.register_model(entry)
+        for name in [m for m in sys.modules if m == 'models' or m.startswith('models.')]:
+            del sys.modules[name]
+    assert [row['model'] for row in rows] == ['timm:flatten_pvt_tiny', 'release:flatten_pvt_tiny']
+    assert rows[0]['forward']['op_calls']['flatten_mm::triton_attention'] == 8
+    assert 'flatten_mm::triton_attention' not in rows[1]['forward']['op_calls']
+    assert rows[1]['backward']['op_calls']['aten::convolution_backward'] == 1

@@ -40,6 +40,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 from unittest import mock
 
 import torch
@@ -90,13 +91,14 @@ def cuda_autocast_without_gpu():
         yield
 
 
-def fake_cuda_model(name: str, dtype: str) -> tuple:
+def fake_cuda_model(name: str, dtype: str, release_dir: Optional[str] = None) -> tuple:
     """(model under autocast to ``dtype`` in training mode, its fake mode): one
-    model built on CPU, its weights swapped for fake CUDA tensors."""
+    model built on CPU (``release:`` ones from ``release_dir``), its weights
+    swapped for fake CUDA tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     torch.manual_seed(0)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = build_model(name)
+    model = build_model(name, release_dir)
     model.train()  # mmdet's backbones return None from train()
     return Autocast(to_fake_cuda(model, fake_mode), DTYPES[dtype]), fake_mode
 
@@ -195,7 +197,8 @@ def run_backward(loss: torch.Tensor) -> None:
                 ready.append(nxt)
 
 
-def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str = 'auto') -> dict:
+def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str = 'auto',
+                   release_dir: Optional[str] = None) -> dict:
     """Ops of the second eager training step of one model on fake CUDA tensors
     (``profile_backbone.tally_ops``: calls, bytes, FLOPs), the forward and,
     under ``'backward'``, the backward of the mean of its outputs (as
@@ -208,7 +211,7 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
     from flatten_mm.models import utils
     from flatten_mm.models.ops import triton_backend, triton_conv
     from profile_backbone import tally_ops
-    model, fake_mode = fake_cuda_model(name, dtype)
+    model, fake_mode = fake_cuda_model(name, dtype, release_dir)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
         stack.enter_context(mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa))
@@ -278,6 +281,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--backend', choices=available_backends(), default='auto',
                         help="with --count-ops: the attention core's backend ('auto': the "
                         "Triton ops, as on a GPU)")
+    parser.add_argument('--release-dir', help="with --count-ops: a checkout of the authors' "
+                        'FLatten-Transformer, for release:NAME models')
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
@@ -304,11 +309,13 @@ def summary(row: dict) -> str:
 def main(argv=None) -> list:
     args = parse_args(argv)
     rows = []
-    for name in args.models:
+    # the authors' models last: importing their code registers its model names
+    # with timm again, over ours
+    for name in sorted(args.models, key=lambda name: name.startswith('release:')):
         for dtype in args.dtypes:
             if args.count_ops:  # instead of the traces: softmax models count too
                 checks = [lambda: count_step_ops(name, args.size, dtype, args.batch,
-                                                 args.backend)]
+                                                 args.backend, args.release_dir)]
             else:
                 checks = [lambda: trace(name, args.size, dtype, args.batch)]
                 if args.compile_sizes:
