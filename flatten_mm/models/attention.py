@@ -66,8 +66,11 @@ def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tenso
 
 def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
     """The last H*W tokens of (B, P + H*W, C) ``x``, those on the grid (a
-    view; ``x`` itself when there is no prefix token)."""
-    return x[:, num_prefix_tokens:] if num_prefix_tokens else x
+    view; ``x`` itself when there is no prefix token). Split off rather than
+    sliced: a slice's backward fills a zero tensor of x's size, then copies
+    the gradient in; a split's writes x's gradient once."""
+    P = num_prefix_tokens
+    return x.split([P, x.shape[1] - P], 1)[1] if P else x
 
 
 def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
@@ -78,7 +81,8 @@ def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
     P = layer.num_prefix_tokens
     if not P:
         return layer.add_positional_encoding_(k, grid)
-    return torch.cat([k[:, :P], layer.add_positional_encoding_(k[:, P:].contiguous(), grid)], 1)
+    prefix, keys = k.split([P, k.shape[1] - P], 1)  # backward: one cat (slices: two zero fills)
+    return torch.cat([prefix, layer.add_positional_encoding_(keys.contiguous(), grid)], 1)
 
 
 def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,

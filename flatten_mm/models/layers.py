@@ -138,7 +138,11 @@ class DropPath(nn.Module):
             return x.add_(residual) if in_place else residual + x
         keep = self.keep_prob.to(x.dtype) if compiling else 1 - self.drop_prob
         scale = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
-        return x * scale if residual is None else torch.addcmul(residual, x, scale)
+        if residual is None:
+            return x * scale
+        if residual.dtype != x.dtype:  # a half branch into an fp32 stream: CUDA's
+            return residual + x * scale  # autocast would copy x to fp32 for addcmul
+        return torch.addcmul(residual, x, scale)
 
     def extra_repr(self) -> str:
         return f'drop_prob={self.drop_prob}'

@@ -103,3 +103,23 @@ def test_input_without_the_prefix_tokens_is_rejected():
     with pytest.raises(ValueError, match=r'hw_shape \(4, 5\) and 1 prefix token\(s\) does '
                                          r'not match N=20'):
         m(torch.randn(1, 20, 24, dtype=torch.float64), (4, 5))
+
+
+def test_grid_tokens_split_off_without_a_zero_filled_gradient():
+    """The grid's keys and values are split off the prefix tokens, not sliced:
+    a slice's backward fills a zero tensor of the whole sequence's size per
+    slice (two a layer, each then summed into the sequence's gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    filled = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.slice_backward:
+                filled.append(tuple(args[1]))
+            return func(*args, **(kwargs or {}))
+    m = make_module().train()
+    x = torch.randn(2, 1 + 20, 24, dtype=torch.float64, requires_grad=True)
+    out = m(x * 1, (4, 5))
+    with Ops():
+        out.sum().backward()
+    assert (2, 21, 24) not in filled, filled  # weights' halves (kv) are small

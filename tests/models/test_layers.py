@@ -39,6 +39,31 @@ def test_drop_path_sum_has_the_dtype_of_residual_plus_branch(grad):
     assert torch.equal(out, res + x)
 
 
+def test_drop_path_in_training_adds_a_half_branch_as_the_official_models():
+    """Training, a bf16 branch on an fp32 stream: ``residual + drop_path(x)``
+    as timm's and the release's DropPath (the scaled branch in bf16, the sum
+    fp32). Not one addcmul of both dtypes: CUDA's autocast promotes its inputs
+    to one dtype first, an fp32 copy of every branch of every block (2% of
+    FLatten-PVT-T's training traffic)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    mixed = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            if func.overloadpacket is torch.ops.aten.addcmul and len(dtypes) > 1:
+                mixed.append(dtypes)
+            return func(*args, **(kwargs or {}))
+    res, x = torch.randn(4, 5, 3), torch.randn(4, 5, 3).bfloat16()
+    dp = DropPath(0.5).train()
+    torch.manual_seed(0)
+    with Ops():
+        out = dp(x, res)
+    torch.manual_seed(0)
+    assert out.dtype == torch.float32 and torch.equal(out, res + dp(x))
+    assert not mixed
+
+
 @pytest.mark.parametrize('grad', [True, False])
 def test_mlp_chunked_path_equals_plain(grad):
     torch.manual_seed(0)

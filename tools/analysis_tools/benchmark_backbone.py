@@ -38,7 +38,9 @@ attention core, the bound no faster core can beat, and
 (``--rev-dir``, e.g. a ``git worktree`` of an older commit), to time two
 versions of the code side by side.
 ``timm:NAME`` is the whole timm classifier NAME (ours are registered with
-flatten_mm) at its input size (``--sizes 224`` for most): ``timm:flatten_X`` is compared
+flatten_mm) at its input size (``--sizes 224`` for most), with stochastic depth
+(``drop_path_rate`` ``TIMM_DROP_PATH``, as in ImageNet training: timm's PVTv2 and
+DeiT default to none): ``timm:flatten_X`` is compared
 with timm's softmax counterpart in ``TIMM_BASELINES`` (Swin, PVTv2, DeiT), and
 the table's images/s is the throughput (``--batch`` over the median step).
 ``release:NAME`` is the authors' classifier NAME (``RELEASE``: ``flatten_pvt_tiny``,
@@ -72,6 +74,9 @@ PVTV2 = dict(b0=(32, [2, 2, 2, 2]), b1=(64, [2, 2, 2, 2]), b2=(64, [3, 4, 6, 3])
 SWIN = dict(t=('tiny', [2, 2, 6, 2]), s=('small', [2, 2, 18, 2]))
 CSWIN = dict(t='tiny', s='small')
 
+
+# the stochastic depth every timm:NAME model is built with (build_model)
+TIMM_DROP_PATH = 0.1
 
 # timm's softmax model for each of ours (PVT v1 and CSWin are not in timm)
 TIMM_BASELINES = dict(
@@ -191,7 +196,10 @@ def build_model(name: str, release_dir: Optional[str] = None):
         return build_release(name, release_dir)
     if name.startswith('timm:'):
         import timm
-        return timm.create_model(name[len('timm:'):], pretrained=False)
+        # stochastic depth in every timm model, as in ImageNet training, ours and
+        # the release's (timm's PVTv2 and DeiT default to none, and skip its work)
+        return timm.create_model(name[len('timm:'):], pretrained=False,
+                                 drop_path_rate=TIMM_DROP_PATH)
     base, _, variant = name.partition('@')
     family, _, size = base.rpartition('-')
     if family == 'cswin':  # CSWin: the same class with softmax stripes in every stage
