@@ -88,7 +88,7 @@ def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
     products where CSWin has one, terms made from parameters each training
     step). Where steps are long, bytes read and written bound the GPU's time:
     every family's training step reads and writes fewer than its softmax
-    form's (measured 0.35×, 0.38×, 0.67×, 0.92×, bounds about 5% above; the
+    form's (measured 0.34×, 0.37×, 0.66×, 0.92×, bounds about 5% above; the
     core on PyTorch ops, in fp32 as before its Triton path, would exceed them
     all). Fake tensors cost the same at any size."""
     tool = load_tool()
@@ -119,8 +119,8 @@ def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
     def step_bytes(model):
         return steps[model]['forward']['bytes'] + steps[model]['backward']['bytes']
     ratios = {ours: step_bytes(ours) / step_bytes(theirs) for ours, theirs in pairs}
-    bounds = {'flatten-pvt-t': 0.37, 'flatten-pvtv2-b1': 0.395, 'flatten-swin-t': 0.70,
-              'flatten-cswin-t': 0.97}
+    bounds = {'flatten-pvt-t': 0.36, 'flatten-pvtv2-b1': 0.385, 'flatten-swin-t': 0.70,
+              'flatten-cswin-t': 0.965}
     assert all(ratios[m] < bound for m, bound in bounds.items()), ratios
     assert ops['flatten-swin-t']['bytes'] == sum(ops['flatten-swin-t']['op_bytes'].values())
 
