@@ -64,13 +64,17 @@ def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tenso
                          f'per token of x, got {key_mask.dtype} {tuple(key_mask.shape)}')
 
 
+def split_prefix(x: Tensor, num_prefix_tokens: int) -> Tuple[Tensor, Tensor]:
+    """Views of (B, P + H*W, C) ``x``: its P prefix tokens and the H*W on the
+    grid. Split rather than sliced: a slice's backward fills a zero tensor of
+    x's size, then copies the gradient in; a split's writes x's gradient once."""
+    return x.split([num_prefix_tokens, x.shape[1] - num_prefix_tokens], 1)
+
+
 def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
     """The last H*W tokens of (B, P + H*W, C) ``x``, those on the grid (a
-    view; ``x`` itself when there is no prefix token). Split off rather than
-    sliced: a slice's backward fills a zero tensor of x's size, then copies
-    the gradient in; a split's writes x's gradient once."""
-    P = num_prefix_tokens
-    return x.split([P, x.shape[1] - P], 1)[1] if P else x
+    view, :func:`split_prefix`; ``x`` itself when there is no prefix token)."""
+    return split_prefix(x, num_prefix_tokens)[1] if num_prefix_tokens else x
 
 
 def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
@@ -81,7 +85,7 @@ def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
     P = layer.num_prefix_tokens
     if not P:
         return layer.add_positional_encoding_(k, grid)
-    prefix, keys = k.split([P, k.shape[1] - P], 1)  # backward: one cat (slices: two zero fills)
+    prefix, keys = split_prefix(k, P)
     return torch.cat([prefix, layer.add_positional_encoding_(keys.contiguous(), grid)], 1)
 
 

@@ -188,6 +188,12 @@ def model_outputs(out) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
+def training_loss(out):
+    """A timed training step's loss of a model's output: the sum of the fp32
+    means of its maps (or logits)."""
+    return sum(o.float().mean() for o in model_outputs(out))
+
+
 def build_model(name: str, release_dir: Optional[str] = None):
     """The backbone called ``name`` (see the module docstring); ``release:`` models
     from ``release_dir``."""
@@ -293,8 +299,8 @@ class Case:
                 model(self.x)
         else:
             with self.autocast:
-                outs = model_outputs(model(self.x))
-            sum(o.float().mean() for o in outs).backward()
+                out = model(self.x)
+            training_loss(out).backward()
             model.zero_grad(set_to_none=True)
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)

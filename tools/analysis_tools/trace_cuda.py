@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_backbone import (build_model, check_model_names, model_outputs,  # noqa: E402
-                                parse_size)
+from benchmark_backbone import (build_model, check_model_names, parse_size,  # noqa: E402
+                                training_loss)
 from check_compile import DTYPES  # noqa: E402
 
 from flatten_mm.models.ops import available_backends, use_backend  # noqa: E402
@@ -200,9 +200,9 @@ def run_backward(loss: torch.Tensor) -> None:
 def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str = 'auto',
                    release_dir: Optional[str] = None) -> dict:
     """Ops of the second eager training step of one model on fake CUDA tensors
-    (``profile_backbone.tally_ops``: calls, bytes, FLOPs), the forward and,
-    under ``'backward'``, the backward of the mean of its outputs (as
-    ``benchmark_backbone.py``'s step; :func:`run_backward`). The core runs on
+    (``profile_backbone.tally_ops``: calls, bytes, FLOPs), its forward and the
+    backward of its loss (``benchmark_backbone.training_loss``, as that tool's
+    step; :func:`run_backward`). The core runs on
     ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
     the GPU's fused kernel (:func:`fused_sdpa`). For the count only (the model
     is dropped after it, the Triton backends' state restored): the tensor
@@ -223,8 +223,7 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
         losses = []
-        forward = tally_ops(lambda: losses.append(
-            sum(o.float().mean() for o in model_outputs(model(x)))))
+        forward = tally_ops(lambda: losses.append(training_loss(model(x))))
         backward = tally_ops(lambda: run_backward(losses[0]))
     row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
                backend=backend, status='ok')
