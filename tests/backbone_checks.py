@@ -2,6 +2,22 @@
 import torch
 
 
+def calls_of(op, step) -> list:
+    """The positional arguments of every call of ATen ``op`` (an overload
+    packet, e.g. ``torch.ops.aten.addcmul``) that ``step()`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is op:
+                calls.append(args)
+            return func(*args, **(kwargs or {}))
+    with Record():
+        step()
+    return calls
+
+
 def assert_cp_gives_same_gradients(make, x):
     """``make(**kw)`` builds a backbone; with_cp must not change gradients."""
     a = make(drop_path_rate=0.)

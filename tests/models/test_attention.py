@@ -10,6 +10,8 @@ from flatten_mm.conversion import fit_to_model, swin_convert
 from flatten_mm.models.ops import EPS
 from flatten_mm.models.resize import resize_tokens
 
+from backbone_checks import calls_of
+
 
 def make_module(C=32, heads=1, sr=1, grid=(6, 7), **kw):
     m = FocusedLinearAttention(C, heads, sr_ratio=sr, pos_grid=grid, **kw).double()
@@ -145,15 +147,6 @@ def test_projections_cast_their_input_once_under_autocast(sr_ratio):
     tokens): under autocast each input is cast once, not once per product (a
     pass over the tokens each, and another per gradient); x's gradient stays
     fp32. (Autocast caches the casts of leaf tensors only: x here is not one.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    casts = []
-
-    class Casts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32:
-                casts.append('x' if args[0] is x else tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
     class Fp32Norm(torch.nn.Module):  # CUDA's autocast runs LayerNorm in fp32, CPU's not
         def __init__(self, norm):
             super().__init__()
@@ -165,9 +158,12 @@ def test_projections_cast_their_input_once_under_autocast(sr_ratio):
     if sr_ratio > 1:
         layer.norm = Fp32Norm(layer.norm)
     leaf = torch.randn(2, 6 * 8, 16, requires_grad=True)
-    x = leaf * 1
-    with torch.autocast('cpu', dtype=torch.bfloat16), Casts():
-        out = layer(x, (6, 8))
+    x, outs = leaf * 1, []
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        calls = calls_of(torch.ops.aten._to_copy, lambda: outs.append(layer(x, (6, 8))))
+    out = outs[0]
+    casts = ['x' if args[0] is x else tuple(args[0].shape)
+             for args in calls if args[0].dtype == torch.float32]
     assert casts.count('x') == 1, casts
     assert casts.count((2, 12, 16)) == (sr_ratio > 1), casts  # the reduced tokens
     out.float().sum().backward()

@@ -8,6 +8,8 @@ from flatten_mm import FocusedLinearAttention
 from flatten_mm.analysis import reference_forward
 from flatten_mm.models.ops import EPS
 
+from backbone_checks import calls_of
+
 
 def make_module(C=24, heads=3, grid=(4, 5), prefix=1, **kw):
     m = FocusedLinearAttention(C, heads, pos_grid=grid, num_prefix_tokens=prefix, **kw).double()
@@ -109,17 +111,9 @@ def test_grid_tokens_split_off_without_a_zero_filled_gradient():
     """The grid's keys and values are split off the prefix tokens, not sliced:
     a slice's backward fills a zero tensor of the whole sequence's size per
     slice (two a layer, each then summed into the sequence's gradient)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    filled = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket is torch.ops.aten.slice_backward:
-                filled.append(tuple(args[1]))
-            return func(*args, **(kwargs or {}))
     m = make_module().train()
     x = torch.randn(2, 1 + 20, 24, dtype=torch.float64, requires_grad=True)
     out = m(x * 1, (4, 5))
-    with Ops():
-        out.sum().backward()
+    filled = [tuple(args[1]) for args in
+              calls_of(torch.ops.aten.slice_backward, lambda: out.sum().backward())]
     assert (2, 21, 24) not in filled, filled  # weights' halves (kv) are small

@@ -4,6 +4,8 @@ import torch
 
 from flatten_mm.models.layers import DropPath, Mlp
 
+from backbone_checks import calls_of
+
 
 def test_drop_path_with_residual_is_one_fused_sum():
     x, res = torch.randn(4, 5, 3), torch.randn(4, 5, 3)
@@ -45,22 +47,15 @@ def test_drop_path_in_training_adds_a_half_branch_as_the_official_models():
     fp32). Not one addcmul of both dtypes: CUDA's autocast promotes its inputs
     to one dtype first, an fp32 copy of every branch of every block (2% of
     FLatten-PVT-T's training traffic)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    mixed = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
-            if func.overloadpacket is torch.ops.aten.addcmul and len(dtypes) > 1:
-                mixed.append(dtypes)
-            return func(*args, **(kwargs or {}))
     res, x = torch.randn(4, 5, 3), torch.randn(4, 5, 3).bfloat16()
     dp = DropPath(0.5).train()
     torch.manual_seed(0)
-    with Ops():
-        out = dp(x, res)
+    outs = []
+    calls = calls_of(torch.ops.aten.addcmul, lambda: outs.append(dp(x, res)))
+    out = outs[0]
     torch.manual_seed(0)
     assert out.dtype == torch.float32 and torch.equal(out, res + dp(x))
+    mixed = [args for args in calls if len({a.dtype for a in args}) > 1]
     assert not mixed
 
 
