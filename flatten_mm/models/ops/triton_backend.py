@@ -393,14 +393,12 @@ def auto_head_dim(dtype: torch.dtype) -> int:
 
 def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
              num_heads: int) -> bool:
-    """``'auto'`` takes this backend for CUDA tensors of one supported dtype, heads
-    up to :data:`MAX_HEAD_DIM` channels (:data:`MAX_EXACT_HEAD_DIM` for fp32
-    without TF32) and a bool key mask (or none)."""
-    C = q.shape[-1]
-    return (q.device.type == 'cuda' and q.dim() == 3 and v.dtype in DTYPES and
-            q.dtype == k.dtype == v.dtype and C % num_heads == 0 and
-            C // num_heads <= auto_head_dim(v.dtype) and
-            (key_mask is None or key_mask.dtype == torch.bool) and importable())
+    """``'auto'`` takes this backend for CUDA tensors of one supported dtype and
+    heads up to :data:`MAX_HEAD_DIM` channels (:data:`MAX_EXACT_HEAD_DIM` for
+    fp32 without TF32). Shapes, heads dividing C and the mask's dtype the
+    dispatcher has checked (:func:`.dispatch.check_call`)."""
+    return (q.device.type == 'cuda' and v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and importable())
 
 
 if AVAILABLE:
