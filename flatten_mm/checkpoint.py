@@ -35,6 +35,12 @@ REAL_GLOBALS = (
     r'collections\.(OrderedDict|defaultdict)$',
     r'builtins\.(set|frozenset|slice)$',
 )
+# The only attributes a pickle may look up (pickle's ``getattr``): the
+# statistics methods mmengine's HistoryBuffer pickles in its state. Methods of
+# the data types above are not data: ``numpy.ndarray.tofile`` writes a file.
+REAL_ATTRIBUTES = {
+    'mmengine.logging.history_buffer.HistoryBuffer': ('min', 'max', 'current', 'mean'),
+}
 # Foreign types read as inert placeholders (their code is not run).
 TOLERATED_GLOBALS = (
     r'yacs\.config\.CfgNode$',
@@ -83,7 +89,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     for ``TOLERATED_GLOBALS``, inert placeholders; anything else stops the load.
 
     ``getattr`` (pickle's way to name a class attribute, e.g. the statistics
-    methods mmengine's HistoryBuffer keeps) is allowed on those data types only.
+    methods mmengine's HistoryBuffer keeps) is allowed for ``REAL_ATTRIBUTES`` only.
     """
     placeholders: set
     safe_globals: dict
@@ -109,7 +115,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 def _guarded_getattr(obj, name: str):
     owner = obj if isinstance(obj, type) else type(obj)
     full = f'{owner.__module__}.{owner.__qualname__}'
-    if name.startswith('_') or not _matches_any(full, REAL_GLOBALS):
+    if name not in REAL_ATTRIBUTES.get(full, ()):
         raise RefusedGlobal(f'the pickle asks for {full}.{name}, which a checkpoint '
                             'has no reason to hold (it could run code)')
     return getattr(obj, name)

@@ -125,9 +125,35 @@ class SneakyAttr:
         return (getattr, (HistoryBuffer, '__init_subclass__'))
 
 
+class WritesAFile:
+    """Pickles as ``getattr(numpy.ndarray, 'tofile')(array, path)``: a public method
+    of an allowed data type that writes any file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import numpy as np
+        return (np.ndarray.tofile, (np.frombuffer(b'written', dtype=np.uint8), self.path))
+
+
 def test_getattr_is_limited_to_data_methods(tmp_path):
     path = str(tmp_path / 'sneaky.pth')
     torch.save({'state_dict': {'w': torch.zeros(1)}, 'x': SneakyAttr()}, path)
     with pytest.raises(ValueError, match='refused to load: the pickle asks for '
                                          'mmengine.logging.history_buffer.HistoryBuffer.__init_subclass__'):
         load_checkpoint_file(path)
+
+
+def test_methods_of_data_types_are_refused(tmp_path):
+    """numpy.ndarray.tofile / .dump are public methods of an allowed type: a
+    checkpoint calling them would write any file, here and through mmengine."""
+    from mmengine.runner import load_checkpoint
+    marker = tmp_path / 'marker'
+    path = str(tmp_path / 'writes.pth')
+    torch.save({'model': {'w': torch.zeros(1)}, 'config': WritesAFile(str(marker))}, path)
+    with pytest.raises(ValueError, match='the pickle asks for numpy.ndarray.tofile'):
+        load_checkpoint_file(path)
+    with pytest.raises(ValueError, match='numpy.ndarray.tofile'):
+        load_checkpoint(torch.nn.Linear(1, 1), path, logger='silent')
+    assert not marker.exists()
