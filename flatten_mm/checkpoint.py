@@ -15,13 +15,18 @@ import os
 import pickle
 import re
 import types
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 from mmengine.logging import print_log
 from torch import nn
 
-STATE_DICT_KEYS = ('model', 'state_dict', 'model_ema', 'module')
+# Where checkpoints nest the weights, in order of preference: the release's
+# ``'model'`` (the weights its published accuracies were measured with, by
+# its ``main.py --eval``; a release file may also hold the EMA weights),
+# mmengine's ``'state_dict'``, ``'model_ema'``, ``'module'``, and last the
+# release's EMA entry, for files that hold only it.
+STATE_DICT_KEYS = ('model', 'state_dict', 'model_ema', 'module', 'state_dict_ema')
 # Data types that training scripts pickle beside the weights and that are
 # rebuilt for real: numpy arrays and scalars, and what mmengine stores in its
 # checkpoints (message-hub history buffers, configs). None of them runs code
@@ -194,32 +199,50 @@ def _strip(key: str, prefix: str) -> str:
     return key[len(prefix):] if key.startswith(prefix) else key
 
 
+def state_dict_key(checkpoint) -> Optional[str]:
+    """The first of ``STATE_DICT_KEYS`` under which ``checkpoint`` nests a
+    state dict, or None (the checkpoint is the state dict itself)."""
+    if isinstance(checkpoint, dict):
+        for key in STATE_DICT_KEYS:
+            if isinstance(checkpoint.get(key), dict):
+                return key
+    return None
+
+
 def unwrap_state_dict(checkpoint):
     """The state dict a loaded checkpoint nests under one of ``STATE_DICT_KEYS``
     (``'model'`` for the release, ``'state_dict'`` for mmengine), or the
     checkpoint itself."""
+    key = state_dict_key(checkpoint)
+    return checkpoint if key is None else checkpoint[key]
+
+
+def _describe(checkpoint) -> str:
     if isinstance(checkpoint, dict):
-        for key in STATE_DICT_KEYS:
-            if isinstance(checkpoint.get(key), dict):
-                return checkpoint[key]
-    return checkpoint
+        keys = list(checkpoint)
+        return f"its keys: {keys[:8]}{' ...' if len(keys) > 8 else ''}" if keys else 'it is empty'
+    return f'it is a {type(checkpoint).__name__}'
 
 
-def extract_state_dict(checkpoint) -> Dict[str, torch.Tensor]:
+def extract_state_dict(checkpoint, prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The tensors of a model from a loaded checkpoint: ``checkpoint['model']``
-    (the FLatten release), ``['state_dict']`` (mmengine) or the dict itself,
-    with ``module.`` / ``backbone.`` prefixes removed. Of a whole detector or
-    segmenter (keys ``backbone.*``, ``neck.*``, ...) only the backbone is kept."""
+    (the FLatten release), ``['state_dict']`` (mmengine), an EMA-only entry
+    (``STATE_DICT_KEYS``) or the dict itself, with DDP's ``module.`` removed.
+    With ``prefix`` (mmengine's ``Pretrained`` option, e.g. ``'backbone.'``) only
+    the keys under it, stripped of it; without, of a whole detector or
+    segmenter (keys ``backbone.*``, ``neck.*``, ...) only the backbone."""
     sd = unwrap_state_dict(checkpoint)
     if not isinstance(sd, dict):
-        raise ValueError(f'checkpoint holds no state dict (got {type(checkpoint).__name__})')
-    # DDP's wrapper prefix, then, of a whole detector or segmenter, the backbone
+        raise ValueError(f'checkpoint holds no state dict ({_describe(checkpoint)})')
     tensors = {_strip(k, 'module.'): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    if any(k.startswith('backbone.') for k in tensors):
-        tensors = {_strip(k, 'backbone.'): v for k, v in tensors.items()
-                   if k.startswith('backbone.')}
+    if prefix or any(k.startswith('backbone.') for k in tensors):
+        prefix = prefix or 'backbone.'
+        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not tensors:
+            raise ValueError(f'checkpoint holds no tensors under the prefix {prefix!r} '
+                             f'(first keys: {list(sd)[:4]})')
     if not tensors:
-        raise ValueError('checkpoint holds no tensors')
+        raise ValueError(f'checkpoint holds no tensors ({_describe(checkpoint)})')
     return tensors
 
 
@@ -227,11 +250,29 @@ def _matches(key: str, patterns: Iterable[str]) -> bool:
     return any(re.match(p, key) for p in patterns)
 
 
+def read_state_dict(path: str, prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """:func:`extract_state_dict` of the checkpoint file ``path``; errors name the
+    file, and the log says which entry of the file was taken if it has several
+    (e.g. the release's ``'model'`` beside its ``'state_dict_ema'``)."""
+    checkpoint = load_checkpoint_file(path)
+    try:
+        sd = extract_state_dict(checkpoint, prefix)
+    except ValueError as err:
+        raise ValueError(f'{path}: {err}') from None
+    held = [k for k in STATE_DICT_KEYS if isinstance(checkpoint, dict)
+            and isinstance(checkpoint.get(k), dict)]
+    if len(held) > 1:
+        print_log(f'{path} holds the weights {held}: loading {held[0]!r}', logger='current')
+    return sd
+
+
 def load_pretrained(model: nn.Module,
                     path: str,
                     ignore_unexpected: Iterable[str] = (),
-                    ignore_missing: Iterable[str] = ()) -> None:
-    """Load an (official or our own) checkpoint into ``model``.
+                    ignore_missing: Iterable[str] = (),
+                    prefix: Optional[str] = None) -> None:
+    """Load an (official or our own) checkpoint into ``model``; ``prefix``: only
+    the checkpoint's keys under it (:func:`extract_state_dict`).
 
     Expected differences (regular expressions in ``ignore_unexpected`` /
     ``ignore_missing``, e.g. a classifier head, or layers only dense models
@@ -239,7 +280,7 @@ def load_pretrained(model: nn.Module,
     shape, a weight the model lacks or needs) raises ValueError naming it,
     since it means the checkpoint is of another architecture.
     """
-    sd = extract_state_dict(load_checkpoint_file(path))  # the model's load hook converts it
+    sd = read_state_dict(path, prefix)  # the model's load hook converts it
     try:
         result = model.load_state_dict(sd, strict=False)
     except RuntimeError as err:

@@ -1,5 +1,6 @@
 import os
 import pickle
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -56,6 +57,24 @@ def test_prefixes_and_nesting_are_handled():
     assert list(sd) == ['b']
     with pytest.raises(ValueError, match='no tensors'):
         extract_state_dict({'model': {'x': 1}})
+
+
+def test_which_entry_of_a_file_is_loaded(tmp_path):
+    """The release's 'model' (its published accuracy) before its EMA weights, and
+    the log says so; an EMA-only file loads; an empty one is named with its keys."""
+    from flatten_mm.checkpoint import read_state_dict
+    both = tmp_path / 'both.pth'
+    torch.save({'model': {'w': torch.ones(1)}, 'state_dict_ema': {'w': torch.zeros(1)}}, both)
+    with patch('flatten_mm.checkpoint.print_log') as log:
+        assert read_state_dict(str(both))['w'].item() == 1
+    assert "holds the weights ['model', 'state_dict_ema']: loading 'model'" in str(log.call_args)
+    ema = tmp_path / 'ema.pth'
+    torch.save({'state_dict_ema': {'w': torch.zeros(1)}, 'epoch': 3}, ema)
+    assert read_state_dict(str(ema))['w'].item() == 0
+    empty = tmp_path / 'empty.pth'
+    torch.save({'epoch': 3}, empty)
+    with pytest.raises(ValueError, match=r"empty.pth: checkpoint holds no tensors \(its keys: \['epoch'\]\)"):
+        read_state_dict(str(empty))
 
 
 def test_pretrained_init_changes_weights_and_logs(tmp_path):

@@ -214,21 +214,31 @@ class FLattenBackbone(BaseModule):
         raise NotImplementedError
 
     def init_weights(self):
-        if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
-            checkpoint = self.init_cfg.get('checkpoint')
-            if not checkpoint:
-                raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path")
-            self.default_init()
-            load_pretrained(self, checkpoint, ignore_unexpected=self.ignore_unexpected,
-                            ignore_missing=self.ignore_missing)
-            self._is_init = True
-            return
-        # the release's initialisation, then any initialisers of init_cfg on top
+        """The release's initialisation, then mmengine's initialisers of
+        ``init_cfg`` (a dict or a list), then, as mmengine orders them, a
+        ``Pretrained`` one: loaded by :func:`~flatten_mm.checkpoint.load_pretrained`
+        (the release's layout converted, anything that does not fit an error),
+        with its ``prefix`` if given."""
+        cfgs = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg]
+        cfgs = [cfg for cfg in cfgs if cfg is not None]
+        pretrained = [cfg for cfg in cfgs if cfg.get('type') == 'Pretrained']
+        if len(pretrained) > 1:
+            raise ValueError(f'init_cfg holds {len(pretrained)} Pretrained entries, at most one '
+                             f'is allowed: {self.init_cfg!r}')
         self.default_init()
-        if self.init_cfg is None:
-            self._is_init = True
-            return
-        super().init_weights()
+        others = [cfg for cfg in cfgs if cfg.get('type') != 'Pretrained']
+        if others:
+            init_cfg, self.init_cfg = self.init_cfg, others
+            try:
+                super().init_weights()
+            finally:
+                self.init_cfg = init_cfg
+        for cfg in pretrained:
+            if not cfg.get('checkpoint'):
+                raise ValueError(f"init_cfg of type 'Pretrained' needs a 'checkpoint' path, got {cfg!r}")
+            load_pretrained(self, cfg['checkpoint'], ignore_unexpected=self.ignore_unexpected,
+                            ignore_missing=self.ignore_missing, prefix=cfg.get('prefix'))
+        self._is_init = True
 
     def default_init(self):
         """Truncated-normal linear layers, unit LayerNorms, He-init convs, as

@@ -107,3 +107,29 @@ def test_init_cfg_errors(family):
     # mmengine's initialisers on top of the release's initialisation
     m = small_backbone(family, init_cfg=dict(type='Constant', layer='LayerNorm', val=2.0))
     assert all(torch.all(mod.weight == 2) for mod in m.modules() if isinstance(mod, nn.LayerNorm))
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_pretrained_in_an_init_cfg_list_and_with_a_prefix(family, tmp_path):
+    """mmengine's forms of init_cfg: a list (Pretrained applied after the other
+    initialisers, as mmengine orders them) and Pretrained's ``prefix`` (keys of
+    one model in a file of several). A list once went to mmengine's own
+    Pretrained, which loaded nothing from a release file but a warning."""
+    source = small_backbone(family)
+    sd = source.state_dict()
+    release = tmp_path / 'release.pth'
+    torch.save({'model': sd}, release)
+    both = tmp_path / 'teacher_student.pth'
+    torch.save({'state_dict': {**{f'teacher.backbone.{k}': v for k, v in sd.items()},
+                               **{f'student.backbone.{k}': v * 0 for k, v in sd.items()}}}, both)
+    constant = dict(type='Constant', layer='LayerNorm', val=2.0)
+    for init_cfg in ([constant, dict(type='Pretrained', checkpoint=str(release))],
+                     dict(type='Pretrained', checkpoint=str(both), prefix='teacher.backbone.')):
+        m = small_backbone(family, init_cfg=init_cfg)
+        for name, value in m.state_dict().items():
+            torch.testing.assert_close(value, sd[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="no tensors under the prefix 'pupil.'"):
+        small_backbone(family, init_cfg=dict(type='Pretrained', checkpoint=str(both),
+                                             prefix='pupil.'))
+    with pytest.raises(ValueError, match='2 Pretrained entries'):
+        small_backbone(family, init_cfg=[dict(type='Pretrained', checkpoint=str(release))] * 2)
