@@ -145,8 +145,24 @@ class ClassifierMixin:
     def load_pretrained(self, path: str) -> None:
         """timm's ``custom_load`` hook: load any released file (or an
         mmpretrain checkpoint) through the safe loader
-        (``pretrained_cfg_overlay=dict(file=..., custom_load=True)``)."""
-        self.load_state_dict(checkpoint_filter_fn(load_checkpoint_file(path), self))
+        (``pretrained_cfg_overlay=dict(file=..., custom_load=True)``), adapted
+        as timm's own loader adapts weights, which this hook replaces: the
+        first conv to ``in_chans`` (timm's ``adapt_input_conv``) and, for
+        another class count, the head left as initialised. Anything else that
+        does not fit raises, as a strict load."""
+        from timm.models import adapt_input_conv  # only timm calls this hook
+        sd = checkpoint_filter_fn(load_checkpoint_file(path), self)
+        first = getattr(self, 'pretrained_cfg', {}).get('first_conv')
+        key = f'{first}.weight'
+        own = self.state_dict().get(key)
+        if own is not None and key in sd and sd[key].shape[1] != own.shape[1]:
+            sd[key] = adapt_input_conv(own.shape[1], sd[key])
+        missing, unexpected = self.load_state_dict(sd, strict=False)
+        head_left = 'head.weight' not in sd  # dropped by the filter for another class count
+        missing = [k for k in missing if not (head_left and k.startswith('head.'))]
+        if missing or unexpected:
+            raise RuntimeError(f'{path} does not fit {type(self).__name__}: missing '
+                               f'{missing or "none"}, unexpected {unexpected or "none"}')
 
 
 class PyramidClassifierMixin(ClassifierMixin):

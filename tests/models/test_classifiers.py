@@ -7,7 +7,8 @@ import timm
 import torch
 
 import flatten_mm  # noqa: F401  (registers the models in timm)
-from flatten_mm import FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention
+from flatten_mm import (FLattenCSwin, FLattenPVT, FLattenPVTv2, FLattenSwin, FocusedLinearAttention,
+                        load_checkpoint_file)
 from flatten_mm.models.backbones.flatten_cswin import CSwinBlock
 from flatten_mm.analysis import reference_forward
 from flatten_mm.models.backbones.flatten_swin import SwinBlock
@@ -168,6 +169,27 @@ def test_custom_load_reads_release_files_with_pickled_config(tmp_path):
     model = timm.create_model('flatten_pvt_tiny', pretrained=True,
                               pretrained_cfg_overlay=dict(file=path, custom_load=True))
     torch.testing.assert_close(model.head.weight, source.head.weight)
+
+
+@pytest.mark.parametrize('name', ['flatten_pvt_v2_b0', 'flatten_cswin_tiny'])
+def test_custom_load_adapts_as_timm_loader_does(name, tmp_path):
+    """Release files with a pickled config need ``custom_load``, which replaces
+    timm's loader: another class count or ``in_chans`` is adapted as timm's own
+    loader does it (the default path, on the same file without the config)."""
+    plain, with_config = str(tmp_path / 'plain.pth'), str(tmp_path / 'config.pth')
+    write_official_checkpoint(with_config, name, with_config=True)
+    torch.save({'model': load_checkpoint_file(with_config)['model']}, plain)
+    first = timm.create_model(name).pretrained_cfg['first_conv'] + '.weight'
+    for kwargs in (dict(num_classes=10), dict(in_chans=1)):
+        torch.manual_seed(0)
+        ours = timm.create_model(name, pretrained=True, **kwargs, pretrained_cfg_overlay=dict(
+            file=with_config, custom_load=True)).state_dict()
+        torch.manual_seed(0)
+        timms = timm.create_model(name, pretrained=True, **kwargs,
+                                  pretrained_cfg_overlay=dict(file=plain)).state_dict()
+        for key, value in timms.items():
+            torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
+        assert ours[first].shape[1] == kwargs.get('in_chans', 3)
 
 
 def test_new_class_count_drops_the_head(tmp_path):
