@@ -9,7 +9,7 @@ from typing import List, Optional, Set, Tuple, Union
 from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
-from ..conversion import checkpoint_filter_fn, pvt_convert
+from ..conversion import checkpoint_filter_fn
 from .attention import grid_tokens
 from .utils import HWShape
 from .layers import check_images, stage_output
@@ -193,7 +193,7 @@ class FLattenPVTClassifier(PyramidClassifierMixin, FLattenPVT):
         super().__init__(arch=arch, **kwargs)
 
     def convert_official(self, state_dict: dict) -> dict:
-        return {k: v for k, v in pvt_convert(state_dict).items()
+        return {k: v for k, v in super().convert_official(state_dict).items()
                 if k not in self.unused_official}
 
 

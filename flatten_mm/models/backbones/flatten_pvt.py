@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...conversion import pvt_convert
+from ...conversion import fit_grid_tokens, pvt_convert
 from ..attention import FocusedLinearAttention
 from ..resize import add_resized, cached_resize_parts
 from ..utils import HWShape, stage_grid, tokens_to_map
@@ -180,7 +180,18 @@ class FLattenPyramid(FLattenBackbone):
         if self.stage_norm:
             setattr(self, f'norm{n}', nn.LayerNorm(dims, eps=1e-6))
 
-    convert_official = staticmethod(pvt_convert)
+    def convert_official(self, state_dict: dict) -> dict:
+        """The release's names are ours (:func:`~flatten_mm.conversion.pvt_convert`);
+        PVT's position embeddings learnt on another square grid (the 224 weights
+        in a model of another ``pretrain_img_size``) are resized to this model's,
+        as the attention layers' positional encodings are."""
+        state_dict = pvt_convert(state_dict)
+        for i in range(self.num_stages if self.absolute_pos_embed else 0):
+            key = f'pos_embed{i + 1}'
+            if key in state_dict:
+                state_dict[key] = fit_grid_tokens(state_dict[key], getattr(self, key),
+                                                  self.pos_grids[i], key)
+        return state_dict
 
     def default_init(self):
         super().default_init()

@@ -106,3 +106,20 @@ def test_autocast_scaled_inputs_are_finite(cls, dtype):
 @pytest.mark.parametrize('cls', [FLattenPVT, FLattenPVTv2])
 def test_caches_size_dependent_tensors(cls):
     assert_caches_reused(small_pvt(cls))
+
+
+def test_weights_of_another_pretraining_size_are_resized():
+    """PVT's position embeddings, like every positional encoding, learnt at 224
+    load into a model pretrained at another size resized bilinearly (they once
+    failed to load, naming a size mismatch)."""
+    import torch.nn.functional as F
+    kw = dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1])
+    small_model, big = FLattenPVT(**kw), FLattenPVT(**kw, pretrain_img_size=320)
+    small_model.init_weights()
+    big.load_state_dict(small_model.state_dict())
+    for i, side in enumerate((56, 28, 14, 7)):
+        own, new = getattr(small_model, f'pos_embed{i + 1}'), getattr(big, f'pos_embed{i + 1}')
+        grid = (320 // 4 // 2 ** i, ) * 2
+        expected = F.interpolate(own.reshape(1, side, side, -1).permute(0, 3, 1, 2), size=grid,
+                                 mode='bilinear', align_corners=False)
+        torch.testing.assert_close(new, expected.flatten(2).transpose(1, 2))
