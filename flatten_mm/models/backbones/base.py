@@ -263,7 +263,9 @@ class SwinLikeBackbone(FLattenBackbone):
     stage (C, 2C, 4C, 8C), and a LayerNorm on each dense output
     (``norm{i}``; the classifiers have one final norm instead, named ``norm``
     in the released files)."""
-    ignore_unexpected = (r'head\.', r'norm\.')  # the classifier's head and final norm
+    # the classifier's head and final norm; the output norms of stages this
+    # model does not output (a detector's backbone, loaded with fewer out_indices)
+    ignore_unexpected = (r'head\.', r'norm\.', r'norm\d\.')
     ignore_missing = (r'norm\d\.',)  # the LayerNorm on each dense output
 
     def _stage_settings(self, arch: str, embed_dims: Optional[int], depths, num_heads,

@@ -133,3 +133,18 @@ def test_pretrained_in_an_init_cfg_list_and_with_a_prefix(family, tmp_path):
                                              prefix='pupil.'))
     with pytest.raises(ValueError, match='2 Pretrained entries'):
         small_backbone(family, init_cfg=[dict(type='Pretrained', checkpoint=str(release))] * 2)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_detector_backbone_loads_with_fewer_outputs(family, tmp_path):
+    """A trained detector's backbone (four outputs, with Swin's and CSwin's output
+    norms) as the Pretrained weights of one with fewer outputs, as mmdet's Swin
+    allows: the surplus output norms are left out, everything else loads."""
+    source = small_backbone(family)
+    path = tmp_path / 'detector.pth'
+    torch.save({'state_dict': {f'backbone.{k}': v for k, v in source.state_dict().items()}},
+               path)
+    m = small_backbone(family, out_indices=(3,),
+                       init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    for name, value in m.state_dict().items():
+        torch.testing.assert_close(value, source.state_dict()[name], rtol=0, atol=0, msg=name)
