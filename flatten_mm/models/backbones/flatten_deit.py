@@ -275,7 +275,7 @@ class FLattenDeiT(FLattenBackbone):
             (() if with_cls_token else (r'cls_token$',))
 
     def stem_modules(self) -> list:
-        return [self.patch_embed, self.pos_embed] + \
+        return [self.patch_embed, self.pos_embed, self.pos_drop] + \
             ([self.cls_token] if self.with_cls_token else [])
 
     def stem(self, x: Tensor) -> StageOutput:

@@ -59,7 +59,8 @@ class PyramidStage(Stage):
 
     def __init__(self, index: int, pos_embed: bool, stage_norm: bool):
         n = index + 1
-        parts = [f'patch_embed{n}'] + ([f'pos_embed{n}'] if pos_embed else []) + [f'block{n}']
+        parts = [f'patch_embed{n}'] + ([f'pos_embed{n}', f'pos_drop{n}'] if pos_embed else [])
+        parts += [f'block{n}']
         parts += [f'norm{n}'] if stage_norm else []
         super().__init__(index, parts, output_name=parts[-1])
         self.has_pos_embed, self.has_norm = pos_embed, stage_norm
@@ -74,7 +75,7 @@ class PyramidStage(Stage):
             pos = getattr(backbone, f'pos_embed{n}')
             grid = backbone.pos_grids[self.index]
             parts = cached_resize_parts(self, self.index, pos, grid, hw_shape)
-            x = backbone.pos_drop(add_resized(x, parts))
+            x = getattr(backbone, f'pos_drop{n}')(add_resized(x, parts))
         x = self.run_blocks(backbone, getattr(backbone, f'block{n}'), x, hw_shape)
         if self.has_norm:
             x = getattr(backbone, f'norm{n}')(x)
@@ -138,7 +139,9 @@ class FLattenPyramid(FLattenBackbone):
                               layer)
         self.stages = nn.ModuleList(
             PyramidStage(i, self.absolute_pos_embed, self.stage_norm) for i in range(4))
-        self.pos_drop = nn.Dropout(drop_rate)
+        if self.absolute_pos_embed:  # one per stage: a frozen stage's stays in eval mode
+            for i in range(4):
+                setattr(self, f'pos_drop{i + 1}', nn.Dropout(drop_rate))
         self._setup_outputs_and_freezing(out_indices, frozen_stages, norm_eval, with_cp)
 
     def _stage_settings(self, arch, embed_dims, depths, num_heads, mlp_ratios, attn_type,

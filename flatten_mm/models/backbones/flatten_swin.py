@@ -232,7 +232,7 @@ class FLattenSwin(SwinLikeBackbone):
     convert_official = staticmethod(swin_convert)
 
     def stem_modules(self) -> List[nn.Module]:
-        return [self.patch_embed]
+        return [self.patch_embed, self.pos_drop]
 
     def stem(self, x: Tensor) -> StageOutput:
         x, hw_shape = self.patch_embed(x)

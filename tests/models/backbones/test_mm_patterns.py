@@ -148,3 +148,15 @@ def test_detector_backbone_loads_with_fewer_outputs(family, tmp_path):
                        init_cfg=dict(type='Pretrained', checkpoint=str(path)))
     for name, value in m.state_dict().items():
         torch.testing.assert_close(value, source.state_dict()[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize('family', FAMILIES + ('deit', ))
+def test_frozen_stages_are_deterministic_with_dropout(family):
+    """With drop_rate > 0 a frozen stage's output is the same in every training
+    step, as in mmdet's Swin (the dropout after the position embedding, in the
+    stem or in PVT's stages, once stayed in training mode)."""
+    first = dict(out_indices=(0, 3)) if family == 'deit' else {}  # the first stage's output
+    m = small_backbone(family, frozen_stages=1, drop_rate=0.5, drop_path_rate=0., **first).train()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[0], m(x)[0], rtol=0, atol=0)
