@@ -10,11 +10,13 @@ unpickler, standing in an inert placeholder for each foreign class: the
 placeholder absorbs the object's data and runs none of its code. Tensors come
 out intact; anything that is not a tensor of the state dict is dropped.
 """
+import hashlib
 import importlib
 import os
 import pickle
 import re
 import types
+import urllib.parse
 from typing import Dict, Iterable, Optional
 
 import torch
@@ -266,6 +268,38 @@ def read_state_dict(path: str, prefix: Optional[str] = None) -> Dict[str, torch.
     return sd
 
 
+def local_checkpoint(path: str) -> str:
+    """``path``, or for an http(s) URL (as mmengine's ``Pretrained`` takes) its
+    copy in torch's hub cache (``$TORCH_HOME/hub/checkpoints``, where mmengine
+    keeps downloads too), downloaded if absent, by rank 0 first when
+    distributed. The file is then read by the safe loader like any other."""
+    scheme = urllib.parse.urlparse(path).scheme
+    if scheme not in ('http', 'https'):
+        if '://' in path:
+            raise ValueError(f"checkpoint {path!r}: FLatten backbones load local files and "
+                             f"http(s) URLs, not {scheme}:// (download it, and give its path)")
+        return path
+    name = os.path.basename(urllib.parse.urlparse(path).path)
+    if not name:  # e.g. a share link ending in '/': named by the URL
+        name = hashlib.sha256(path.encode()).hexdigest()[:16] + '.pth'
+    local = os.path.join(torch.hub.get_dir(), 'checkpoints', name)
+    from mmengine.dist import barrier, get_dist_info
+    rank, world_size = get_dist_info()
+    if rank == 0:
+        _download(path, local)
+    if world_size > 1:
+        barrier()
+        _download(path, local)  # another node's rank 0 downloaded it elsewhere
+    return local
+
+
+def _download(url: str, local: str) -> None:
+    if not os.path.isfile(local):
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        print_log(f'downloading {url} to {local}', logger='current')
+        torch.hub.download_url_to_file(url, local)  # to a temporary file, then moved
+
+
 def load_pretrained(model: nn.Module,
                     path: str,
                     ignore_unexpected: Iterable[str] = (),
@@ -280,6 +314,7 @@ def load_pretrained(model: nn.Module,
     shape, a weight the model lacks or needs) raises ValueError naming it,
     since it means the checkpoint is of another architecture.
     """
+    path = local_checkpoint(path)
     sd = read_state_dict(path, prefix)  # the model's load hook converts it
     try:
         result = model.load_state_dict(sd, strict=False)

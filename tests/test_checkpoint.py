@@ -176,3 +176,36 @@ def test_methods_of_data_types_are_refused(tmp_path):
     with pytest.raises(ValueError, match='numpy.ndarray.tofile'):
         load_checkpoint(torch.nn.Linear(1, 1), path, logger='silent')
     assert not marker.exists()
+
+
+def test_pretrained_from_a_url_is_downloaded_once_and_read_safely(tmp_path, monkeypatch):
+    """mmengine's Pretrained takes URLs: a release file (with its pickled config)
+    served over http loads through the safe loader, cached in torch's hub
+    directory; a share link without a file name gets one; other schemes are
+    refused by name."""
+    import functools
+    import http.server
+    import threading
+    served = tmp_path / 'served'
+    served.mkdir()
+    model = write_official_checkpoint(str(served / 'pvt_t.pth'), 'flatten_pvt_tiny',
+                                      with_config=True)
+    (served / 'share').mkdir()
+    (served / 'share' / 'index.html').write_bytes((served / 'pvt_t.pth').read_bytes())
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'torch_home'))
+    base = f'http://127.0.0.1:{server.server_address[1]}'
+    try:
+        for url, name in ((f'{base}/pvt_t.pth', 'pvt_t.pth'), (f'{base}/share/', None)):
+            dense = FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint=url))
+            dense.init_weights()
+            torch.testing.assert_close(dense.pos_embed3, model.pos_embed3)
+            cached = os.listdir(tmp_path / 'torch_home' / 'hub' / 'checkpoints')
+            assert name is None or name in cached
+        assert len(cached) == 2
+    finally:
+        server.shutdown()
+    with pytest.raises(ValueError, match=r"'s3://bucket/a.pth': .* not s3://"):
+        FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint='s3://bucket/a.pth')).init_weights()
