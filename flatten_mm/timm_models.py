@@ -52,7 +52,13 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _create(cls, variant: str, pretrained: bool = False, out_indices=(0, 1, 2, 3), **kwargs):
+def _create(cls, variant: str, pretrained: bool = False, out_indices=(0, 1, 2, 3),
+            img_size=None, **kwargs):
+    if img_size is not None:  # timm's name: here the size the positional terms are
+        if 'pretrain_img_size' in kwargs:  # defined for (any input size runs)
+            raise TypeError(f'{variant}: give img_size or pretrain_img_size, not both '
+                            f'(got {img_size!r} and {kwargs["pretrain_img_size"]!r})')
+        kwargs['pretrain_img_size'] = img_size
     return build_model_with_cfg(
         cls, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,

@@ -190,3 +190,16 @@ def test_empty_batches_rejected(name):
             model(torch.randn(shape))
         with pytest.raises(ValueError, match='expected a non-empty batch of images'):
             model.forward_intermediates(torch.randn(shape))
+
+
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_img_size_sets_the_positional_terms_size(name):
+    """timm's ``img_size``: the size the positional terms are defined for (the
+    models take any input size), i.e. our ``pretrain_img_size``."""
+    a = small(name, img_size=320)
+    b = small(name, pretrain_img_size=320)
+    shapes = {k: v.shape for k, v in b.state_dict().items()}
+    assert {k: v.shape for k, v in a.state_dict().items()} == shapes
+    assert shapes != {k: v.shape for k, v in small(name).state_dict().items()}
+    with pytest.raises(TypeError, match='img_size or pretrain_img_size, not both'):
+        small(name, img_size=320, pretrain_img_size=384)
