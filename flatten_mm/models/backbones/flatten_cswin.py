@@ -16,7 +16,7 @@ stripe covers the pretraining map) has one branch over the whole map. Stripes
 that do not divide the map are padded at the bottom/right and the padded
 tokens are masked out of the softmax, so results do not depend on padding.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -223,8 +223,8 @@ class FLattenCSwin(SwinLikeBackbone):
             :class:`FLattenPVT`). Default: 0.
         drop_path_rate (float): stochastic depth, linear over blocks, in
             [0, 1). Default: 0.2 (the release's for tiny).
-        out_indices (Sequence[int]): stages whose (LayerNorm-ed) maps are
-            returned. Default: (0, 1, 2, 3).
+        out_indices (int | Sequence[int]): stages whose (LayerNorm-ed) maps are
+            returned, increasing; negative ones count from the last. Default: (0, 1, 2, 3).
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the stem and
             the first k stages (with their merge blocks). Default: -1.
         norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
@@ -252,7 +252,7 @@ class FLattenCSwin(SwinLikeBackbone):
                  drop_rate: float = 0.,
                  attn_drop_rate: float = 0.,
                  drop_path_rate: float = 0.2,
-                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 out_indices: Union[int, Sequence[int]] = (0, 1, 2, 3),
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,

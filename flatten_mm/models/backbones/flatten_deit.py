@@ -164,8 +164,8 @@ class FLattenDeiT(FLattenBackbone):
             blocks, in [0, 1) (an error with no ``S`` block). Default: 0.
         drop_path_rate (float): stochastic depth, linear over the blocks,
             in [0, 1). Default: 0.1.
-        out_indices (Sequence[int], optional): blocks whose outputs are
-            returned, distinct and increasing. Default: the last block of each
+        out_indices (int | Sequence[int], optional): blocks whose outputs are
+            returned, distinct and increasing (negative: counted from the last). Default: the last block of each
             quarter of the depth, (2, 5, 8, 11) for 12 blocks.
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the patch
             and position embeddings, the class token and the first k blocks.
@@ -202,7 +202,7 @@ class FLattenDeiT(FLattenBackbone):
                  drop_rate: float = 0.,
                  attn_drop_rate: float = 0.,
                  drop_path_rate: float = 0.1,
-                 out_indices: Optional[Sequence[int]] = None,
+                 out_indices: Union[int, Sequence[int], None] = None,
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,

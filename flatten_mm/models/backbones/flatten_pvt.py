@@ -5,7 +5,7 @@ Module names follow the official release (``patch_embed{i}``,
 checkpoints load without renaming. The two versions differ by four named
 flags of :class:`FLattenPyramid`.
 """
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -110,7 +110,7 @@ class FLattenPyramid(FLattenBackbone):
                  drop_rate: float = 0.,
                  attn_drop_rate: float = 0.,
                  drop_path_rate: float = 0.1,
-                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 out_indices: Union[int, Sequence[int]] = (0, 1, 2, 3),
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
@@ -235,8 +235,9 @@ class FLattenPVT(FLattenPyramid):
             with some ``L`` stages a UserWarning says they ignore it. Default: 0.
         drop_path_rate (float): stochastic depth, linear over blocks, in
             [0, 1). Default: 0.1.
-        out_indices (Sequence[int]): stages whose maps are returned, distinct
-            and in increasing order (a tuple or list, e.g. ``(3,)``).
+        out_indices (int | Sequence[int]): stages whose maps are returned, distinct
+            and in increasing order (one, or a tuple or list, e.g. ``(3,)``; negative
+            ones count from the last).
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the first k
             stages (with their patch embeddings). Default: -1.
         norm_eval (bool): keep normalisation layers in eval mode. Default: False.

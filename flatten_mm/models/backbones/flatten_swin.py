@@ -13,7 +13,7 @@ Shifted windows are a regular partition of the map padded at the top/left, and
 every padded token is masked out of attention, so no token ever attends across
 the image border and results do not depend on how much was padded.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -164,8 +164,8 @@ class FLattenSwin(SwinLikeBackbone):
             :class:`FLattenPVT`). Default: 0.
         drop_path_rate (float): stochastic depth, linear over blocks, in
             [0, 1). Default: 0.2.
-        out_indices (Sequence[int]): stages whose (LayerNorm-ed) maps are
-            returned. Default: (0, 1, 2, 3).
+        out_indices (int | Sequence[int]): stages whose (LayerNorm-ed) maps are
+            returned, increasing; negative ones count from the last. Default: (0, 1, 2, 3).
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the patch
             embedding and the first k stages. Default: -1.
         norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
@@ -194,7 +194,7 @@ class FLattenSwin(SwinLikeBackbone):
                  drop_rate: float = 0.,
                  attn_drop_rate: float = 0.,
                  drop_path_rate: float = 0.2,
-                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 out_indices: Union[int, Sequence[int]] = (0, 1, 2, 3),
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,

@@ -10,7 +10,8 @@ import torch
 
 from backbone_checks import FAMILIES, small_backbone
 
-OUT_INDICES = r'out_indices must be stage indices in 0..3, distinct and increasing'
+OUT_INDICES = (r'out_indices must be stage indices in -4..3 \(negative: from the last\), distinct '
+               r'and increasing')
 
 
 @pytest.mark.parametrize('kwargs,match', [
@@ -23,7 +24,8 @@ OUT_INDICES = r'out_indices must be stage indices in 0..3, distinct and increasi
     (dict(drop_rate=1.0), r'drop_rate must be a number in \[0, 1\), got 1.0'),
     (dict(attn_drop_rate=-0.5), r'attn_drop_rate must be a number in \[0, 1\), got -0.5'),
     (dict(attn_drop_rate=0.9, attn_type='LLLL'), 'attn_drop_rate must be 0 without softmax'),
-    (dict(out_indices=2), OUT_INDICES + r'.*got 2$'),
+    (dict(out_indices=-5), OUT_INDICES + r'.*got -5$'),
+    (dict(out_indices=(0, -4)), OUT_INDICES + r'.*got \(0, -4\)'),
     (dict(out_indices=(3, 0)), OUT_INDICES + r'.*got \(3, 0\)'),
     (dict(out_indices=(0, 0)), OUT_INDICES + r'.*got \(0, 0\)'),
     (dict(out_indices=()), OUT_INDICES),
@@ -41,6 +43,14 @@ OUT_INDICES = r'out_indices must be stage indices in 0..3, distinct and increasi
 def test_bad_arguments_fail_at_build_time(family, kwargs, match):
     with pytest.raises(ValueError, match=match):
         small_backbone(family, **kwargs)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_out_indices_as_one_index_or_counted_from_the_end(family):
+    """As mmseg's and mmpretrain's ViT take them (configs ported from them)."""
+    assert small_backbone(family, out_indices=-1).out_indices == (3, )
+    assert small_backbone(family, out_indices=2).out_indices == (2, )
+    assert small_backbone(family, out_indices=[1, -1]).out_indices == (1, 3)
 
 
 @pytest.mark.parametrize('family', FAMILIES)

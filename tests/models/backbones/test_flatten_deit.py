@@ -142,7 +142,7 @@ def test_registered_in_mmdet_and_mmseg():
     (dict(patch_size=300), r'patch_size must be at most the pretraining size \(224, 224\)'),
     (dict(out_type='map'), r"out_type must be one of \('featmap', 'cls_token'\), got 'map'"),
     (dict(out_type='cls_token', with_cls_token=False), 'needs with_cls_token=True'),
-    (dict(out_indices=(12,)), r'out_indices must be stage indices in 0..11.*got \(12,\)'),
+    (dict(out_indices=(12,)), r'out_indices must be stage indices in -12..11.*got \(12,\)'),
     (dict(frozen_stages=13), 'frozen_stages must be an int in -1..12.*got 13'),
     (dict(kernel_size=4), 'kernel_size must be odd.*got 4'),
     (dict(mlp_ratio=0), 'mlp_ratio must be a finite number > 0, got 0'),

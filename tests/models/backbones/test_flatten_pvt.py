@@ -78,7 +78,7 @@ def test_with_cp_gives_same_gradients():
     (dict(embed_dims=[64, 128, 320, 510]), 'must be divisible by num_heads'),
     (dict(kernel_size=4), 'kernel_size must be odd'),
     (dict(depths=[2, 2, 2]), 'depths must have 4 entries'),
-    (dict(out_indices=(0, 4)), r'out_indices must be stage indices in 0..3'),
+    (dict(out_indices=(0, 4)), r'out_indices must be stage indices in -4..3'),
     (dict(frozen_stages=7), 'frozen_stages must be an int in -1..4'),
 ])
 def test_bad_arguments(kwargs, match):
