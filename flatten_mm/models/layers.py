@@ -16,11 +16,13 @@ from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 ATTN_TYPES = ('L', 'S')
 
 
-def check_attn_type(attn_type: str, num_stages: int) -> str:
-    """Validate a per-stage attention string such as ``'LLSS'``."""
+def check_attn_type(attn_type: str, num_stages: int, one_for_all: bool = False) -> str:
+    """Validate a per-stage attention string such as ``'LLSS'`` (``one_for_all``:
+    the caller also takes one letter for every stage, which the error then says)."""
     if not isinstance(attn_type, str) or len(attn_type) != num_stages or \
             any(c not in ATTN_TYPES for c in attn_type):
-        raise ValueError(f'attn_type must be a string of {num_stages} letters, '
+        also = ' (or one letter for all)' if one_for_all else ''
+        raise ValueError(f'attn_type must be a string of {num_stages} letters{also}, '
                          f'each L (focused linear) or S (softmax), got {attn_type!r}')
     return attn_type
 

@@ -250,7 +250,7 @@ class FLattenDeiT(FLattenBackbone):
                              f'mlp_ratio) is 0, got {self.mlp_ratio!r}')
         if isinstance(attn_type, str) and len(attn_type) == 1:
             attn_type = attn_type * self.depth
-        self.attn_type = check_attn_type(attn_type, self.depth)
+        self.attn_type = check_attn_type(attn_type, self.depth, one_for_all=True)
         self.arch = arch
         self.num_heads = preset['num_heads']
         self.embed_dims = [preset['embed_dims']] * self.depth  # per stage (block), as the others
