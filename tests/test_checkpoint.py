@@ -73,7 +73,8 @@ def test_which_entry_of_a_file_is_loaded(tmp_path):
     assert read_state_dict(str(ema))['w'].item() == 0
     empty = tmp_path / 'empty.pth'
     torch.save({'epoch': 3}, empty)
-    with pytest.raises(ValueError, match=r"empty.pth: checkpoint holds no tensors \(its keys: \['epoch'\]\)"):
+    with pytest.raises(ValueError,
+                       match=r"empty.pth: checkpoint holds no tensors \(its keys: \['epoch'\]\)"):
         read_state_dict(str(empty))
 
 

@@ -235,7 +235,8 @@ class FLattenBackbone(BaseModule):
                 self.init_cfg = init_cfg
         for cfg in pretrained:
             if not cfg.get('checkpoint'):
-                raise ValueError(f"init_cfg of type 'Pretrained' needs a 'checkpoint' path, got {cfg!r}")
+                raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path, "
+                                 f'got {cfg!r}')
             load_pretrained(self, cfg['checkpoint'], ignore_unexpected=self.ignore_unexpected,
                             ignore_missing=self.ignore_missing, prefix=cfg.get('prefix'))
         self._is_init = True

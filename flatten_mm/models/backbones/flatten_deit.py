@@ -165,8 +165,9 @@ class FLattenDeiT(FLattenBackbone):
         drop_path_rate (float): stochastic depth, linear over the blocks,
             in [0, 1). Default: 0.1.
         out_indices (int | Sequence[int], optional): blocks whose outputs are
-            returned, distinct and increasing (negative: counted from the last). Default: the last block of each
-            quarter of the depth, (2, 5, 8, 11) for 12 blocks.
+            returned, distinct and increasing (negative: counted from the last).
+            Default: the last block of each quarter of the depth, (2, 5, 8, 11)
+            for 12 blocks.
         frozen_stages (int): -1 freezes nothing; k >= 0 freezes the patch
             and position embeddings, the class token and the first k blocks.
             Default: -1.
