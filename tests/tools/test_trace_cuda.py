@@ -181,3 +181,51 @@ def test_counts_the_authors_release_after_ours(tmp_path, monkeypatch):
     assert rows[0]['forward']['op_calls']['flatten_mm::triton_attention'] == 8
     assert 'flatten_mm::triton_attention' not in rows[1]['forward']['op_calls']
     assert rows[1]['backward']['op_calls']['aten::convolution_backward'] == 1
+
+
+def test_compiled_step_counts_inductors_kernels_for_a_gpu():
+    """``--count-ops --compiled``: Inductor lowers a training step on fake CUDA
+    tensors to the kernels an sm_90 GPU would run, without one. Its count is
+    exact where it can be checked by hand (an elementwise chain and its sum:
+    one fused kernel reading x once, in the forward; the backward writes x's
+    gradient from the loss's), and the FLatten layer's Triton ops stay one op
+    each way."""
+    import torch
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from flatten_mm import FocusedLinearAttention
+    tool = load_tool()
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return (torch.relu(x * self.w + 1) * 3,)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Conv2d(3, 32, 4, 4)
+            self.attn = FocusedLinearAttention(32, 2, pos_grid=4)
+
+        def forward(self, x):
+            x = self.embed(x)
+            return (self.attn(x.flatten(2).transpose(1, 2), x.shape[2:]),)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    shape = (2, 3, 16, 24)
+    chain = tool.Autocast(tool.to_fake_cuda(Chain(), fake_mode), torch.float32)
+    forward, backward = tool.compile_step(chain, fake_mode, shape)
+    numel = 2 * 3 * 16 * 24
+    assert forward['bytes'] == numel * 4 + 4 * 2, forward  # x and w read, the loss written
+    assert len(forward['kernels']) == 1
+    assert backward['bytes'] > 0 and len(backward['kernels']) <= 3, backward
+    layer = tool.Autocast(tool.to_fake_cuda(Layer(), fake_mode), torch.bfloat16)
+    forward, backward = tool.compile_step(layer, fake_mode, shape)
+    labels = [label for label, _ in forward['kernels']]
+    assert labels.count('torch.ops.flatten_mm.triton_attention.default') == 1, labels
+    assert [label for label, _ in backward['kernels']].count(
+        'torch.ops.flatten_mm.triton_attention_backward.default') == 1
+    assert forward['bytes'] == sum(size for _, size in forward['kernels'])

@@ -40,7 +40,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 from unittest import mock
 
 import torch
@@ -160,41 +160,94 @@ def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0., is_causal=False, scale=Non
             q, k, v, attn_mask, q.requires_grad, dropout_p, is_causal, scale=scale)[0]
 
 
-def run_backward(loss: torch.Tensor) -> None:
-    """``loss.backward()`` with autograd's nodes called from Python, for fake
-    CUDA tensors (autograd's engine needs a real device for CUDA tensors):
-    each node once, after all that feed it; each gradient summed to the
-    shape and cast to the dtype its next node takes (the engine's checks),
-    the gradients of one input summed; leaves' gradients go to ``.grad``."""
-    waiting, stack = Counter(), [loss.grad_fn]
-    while stack:  # how many gradients each node waits for
-        for node, _ in stack.pop().next_functions:
-            if node is not None:
-                waiting[node] += 1
-                if waiting[node] == 1:
-                    stack.append(node)
-    grads, ready = {loss.grad_fn: {0: torch.ones_like(loss)}}, [loss.grad_fn]
+def _nodes_to_inputs(roots: list, targets: set) -> set:
+    """The autograd nodes from ``roots`` on a path to a node of ``targets``: the
+    ones the engine runs for the gradients of those inputs."""
+    leads, stack = {}, [(node, False) for node in roots]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            leads[node] = node in targets or any(
+                leads.get(nxt, False) for nxt, _ in node.next_functions if nxt is not None)
+        elif node not in leads:
+            leads[node] = False  # visited; decided once its inputs are
+            stack.append((node, True))
+            stack.extend((nxt, False) for nxt, _ in node.next_functions
+                         if nxt is not None and nxt not in leads)
+    return {node for node, lead in leads.items() if lead}
+
+
+def _call_node(node, given: dict) -> tuple:
+    """A node's input gradients from those ``given`` to its outputs (absent
+    ones zero, as the engine fills them)."""
+    args = [given.get(i) for i in range(len(node._input_metadata))]
+    if all(a is None for a in args):
+        return (None, ) * len(node.next_functions)
+    args = [torch.zeros(list(meta.shape), dtype=meta.dtype, device=meta.device)
+            if a is None else a for a, meta in zip(args, node._input_metadata)]
+    outs = node(*args) if callable(node) else node.apply(*args)  # C++ / Python node
+    return outs if isinstance(outs, tuple) else (outs, )
+
+
+def python_grad(outputs, inputs, grad_outputs=None) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)``
+    with autograd's nodes called from Python, for fake CUDA tensors (autograd's
+    engine needs a real device for CUDA tensors): as the engine, only the nodes
+    on a path to an input run, each once after all that feed it; each
+    gradient summed to the shape and cast to the dtype its next node takes,
+    the gradients of one input summed."""
+    outputs, inputs = list(outputs), list(inputs)
+    grad_outputs = grad_outputs or [None] * len(outputs)
+    edges = [torch.autograd.graph.get_gradient_edge(x) for x in inputs]
+    grads, roots = {}, []
+    for out, grad in zip(outputs, grad_outputs):
+        if out.requires_grad:
+            edge = torch.autograd.graph.get_gradient_edge(out)
+            grad = torch.ones_like(out) if grad is None else grad
+            into = grads.setdefault(edge.node, {})
+            into[edge.output_nr] = into[edge.output_nr] + grad if edge.output_nr in into else grad
+            roots.append(edge.node)
+    targets = {edge.node for edge in edges}
+    needed = _nodes_to_inputs(list(dict.fromkeys(roots)), targets)
+    waiting = Counter(nxt for node in needed if not hasattr(node, 'variable')
+                      for nxt, _ in node.next_functions if nxt in needed)
+    ready, result = [n for n in dict.fromkeys(roots) if n in needed and not waiting[n]], {}
     while ready:
         node = ready.pop()
         given = grads.pop(node, {})
-        args = [given.get(i) for i in range(len(node._input_metadata))]
-        if hasattr(node, 'variable'):  # AccumulateGrad: a leaf
-            leaf = node.variable
-            leaf.grad = args[0] if leaf.grad is None else leaf.grad + args[0]
-            continue
-        outs = node(*args) if callable(node) else node.apply(*args)  # C++ / Python node
-        for (nxt, slot), grad in zip(node.next_functions, (outs if isinstance(outs, tuple)
-                                                           else (outs,))):
-            if nxt is None:
+        if node in targets:
+            result[node] = given
+        if hasattr(node, 'variable') or not any(n in needed for n, _ in node.next_functions):
+            continue  # a leaf, or an input's own node that leads nowhere needed
+        for (nxt, slot), grad in zip(node.next_functions, _call_node(node, given)):
+            if nxt not in needed:
                 continue
             if grad is not None:
                 meta = nxt._input_metadata[slot]
                 grad = grad.sum_to_size(list(meta.shape)).to(meta.dtype)
                 into = grads.setdefault(nxt, {})
-                into[slot] = grad if slot not in into else into[slot] + grad
+                into[slot] = into[slot] + grad if slot in into else grad
             waiting[nxt] -= 1
             if not waiting[nxt]:
                 ready.append(nxt)
+    return tuple(result.get(edge.node, {}).get(edge.output_nr) for edge in edges)
+
+
+def run_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` by :func:`python_grad`: the gradients of every leaf
+    that takes part go to its ``.grad``."""
+    leaves, stack, seen = [], [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, 'variable'):  # AccumulateGrad: a leaf
+            leaves.append(node.variable)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    for leaf, grad in zip(leaves, python_grad([loss], leaves)):
+        if grad is not None:
+            leaf.grad = grad if leaf.grad is None else leaf.grad + grad
 
 
 def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str = 'auto',
@@ -230,6 +283,56 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
     for part, tally in (('forward', forward), ('backward', backward)):
         row[part] = dict(op_calls=tally.calls, op_bytes=tally.bytes, ops=sum(tally.calls.values()),
                          bytes=sum(tally.bytes.values()), flops=sum(tally.flops.values()))
+    return row
+
+
+def compile_step(model: nn.Module, fake_mode, shape: tuple) -> List[dict]:
+    """:func:`inductor_count.inductor_for_a_fake_gpu`'s record of the graphs
+    torch.compile (``fullgraph=True``) makes of the training step of ``model``
+    (fake CUDA weights, in ``fake_mode``) on images of ``shape``: its forward
+    and backward (lowered at once). The joint graph's backward is traced by
+    :func:`python_grad` (autograd's engine needs a real device)."""
+    from inductor_count import inductor_for_a_fake_gpu
+    grad = torch.autograd.grad
+
+    def traced_grad(outputs, inputs, grad_outputs=None, **kwargs):
+        outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        if not any(out.is_cuda for out in outs):
+            return grad(outputs, inputs, grad_outputs, **kwargs)
+        return python_grad(outs, inputs, grad_outputs)
+    torch._dynamo.reset()
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch._dynamo.reset)
+        stack.enter_context(mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa))
+        stack.enter_context(mock.patch('torch.autograd.grad', traced_grad))
+        graphs = stack.enter_context(inductor_for_a_fake_gpu())
+        for context in (use_backend('auto'), cuda_autocast_without_gpu(), fake_mode):
+            stack.enter_context(context)
+        step = torch.compile(lambda x: training_loss(model(x)), fullgraph=True)
+        step(torch.randn(*shape, device='cuda'))
+    return graphs
+
+
+def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
+    """The kernels torch.compile's Inductor makes of one model's training step
+    for an sm_90 GPU (:func:`compile_step`), with their bytes read and written:
+    generated, not built or run. A graph break is reported."""
+    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
+               backend='inductor', status='ok')
+    graphs = []
+    try:
+        graphs = compile_step(*fake_cuda_model(name, dtype), (batch, 3, *size))
+        if len(graphs) != 2:
+            row['status'] = f'{len(graphs)} graphs, not a forward and a backward'
+    except Exception as err:  # noqa: BLE001 (reported, and the exit status says so)
+        row.update(status='failed', error=f'{type(err).__name__}: {str(err)[:1500]}')
+    for part, graph in zip(('forward', 'backward'), graphs):
+        labels, sizes = Counter(), Counter()
+        for label, size_ in graph['kernels']:
+            labels[label] += 1
+            sizes[label] += size_
+        row[part] = dict(op_calls=dict(labels), op_bytes=dict(sizes),
+                         ops=len(graph['kernels']), bytes=graph['bytes'], flops=0)
     return row
 
 
@@ -277,6 +380,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--count-ops', action='store_true',
                         help='count the ops of an eager training step instead (any '
                         'model, softmax ones too)')
+    parser.add_argument('--compiled', action='store_true',
+                        help='with --count-ops: the kernels torch.compile (Inductor) makes '
+                        'of the step for an sm_90 GPU, instead of the eager ops')
     parser.add_argument('--backend', choices=available_backends(), default='auto',
                         help="with --count-ops: the attention core's backend ('auto': the "
                         "Triton ops, as on a GPU)")
@@ -290,6 +396,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def summary(row: dict) -> str:
     """One printed line of a :func:`trace` or :func:`count_graphs` row."""
+    if row.get('backend') == 'inductor':
+        if 'backward' not in row:
+            return f"{row['model']} compiled: {row['status']} {row.get('error', '')}"
+        fwd, bwd = row['forward'], row['backward']
+        return (f"{row['model']} {row['size']} {row['dtype']} batch {row['batch']}, compiled "
+                f"training step: forward {fwd['ops']} kernels, {fwd['bytes'] / 1e9:.2f} GB read "
+                f"and written; backward {bwd['ops']} kernels, {bwd['bytes'] / 1e9:.2f} GB")
     if 'forward' in row:
         fwd, bwd = row['forward'], row['backward']
         return (f"{row['model']} {row['size']} {row['dtype']} batch {row['batch']}, "
@@ -312,7 +425,9 @@ def main(argv=None) -> list:
     # with timm again, over ours
     for name in sorted(args.models, key=lambda name: name.startswith('release:')):
         for dtype in args.dtypes:
-            if args.count_ops:  # instead of the traces: softmax models count too
+            if args.count_ops and args.compiled:
+                checks = [lambda: count_compiled_step(name, args.size, dtype, args.batch)]
+            elif args.count_ops:  # instead of the traces: softmax models count too
                 checks = [lambda: count_step_ops(name, args.size, dtype, args.batch,
                                                  args.backend, args.release_dir)]
             else:
