@@ -25,7 +25,9 @@ kernel), after a first forward has filled the model's caches: where steps are
 short each op is a kernel launch; where they are long, most ops are bound by
 memory bandwidth. The backward runs autograd's nodes from Python
 (:func:`run_backward`): the engine itself needs a real GPU for CUDA tensors.
-The exit status is 1 if any model fails.
+``--count-ops --compiled`` counts instead the kernels torch.compile's Inductor
+generates for the step on an sm_90 GPU (:mod:`inductor_count`; not built or
+run) and their bytes. The exit status is 1 if any model fails.
 
 What it does not show: the kernels themselves (the interpreter tests and
 ``kernel_resources.py``), and speed (``check_compile.py --device cuda`` on a
