@@ -24,10 +24,10 @@ from mmengine.logging import print_log
 from torch import nn
 
 # Where checkpoints nest the weights, in order of preference: the release's
-# ``'model'`` (the weights its published accuracies were measured with, by
-# its ``main.py --eval``; a release file may also hold the EMA weights),
-# mmengine's ``'state_dict'``, ``'model_ema'``, ``'module'``, and last the
-# release's EMA entry, for files that hold only it.
+# ``'model'`` (what its evaluation command, ``main.py --eval --resume``, loads;
+# its EMA training script saves the EMA weights beside them), mmengine's
+# ``'state_dict'``, ``'model_ema'``, ``'module'``, and last the release's EMA
+# entry, for files that hold only it. timm's own loader prefers EMA weights.
 STATE_DICT_KEYS = ('model', 'state_dict', 'model_ema', 'module', 'state_dict_ema')
 # Data types that training scripts pickle beside the weights and that are
 # rebuilt for real: numpy arrays and scalars, and what mmengine stores in its
@@ -201,14 +201,18 @@ def _strip(key: str, prefix: str) -> str:
     return key[len(prefix):] if key.startswith(prefix) else key
 
 
+def nested_keys(checkpoint) -> list:
+    """The ``STATE_DICT_KEYS`` under which ``checkpoint`` nests state dicts, in
+    order of preference."""
+    if not isinstance(checkpoint, dict):
+        return []
+    return [key for key in STATE_DICT_KEYS if isinstance(checkpoint.get(key), dict)]
+
+
 def state_dict_key(checkpoint) -> Optional[str]:
-    """The first of ``STATE_DICT_KEYS`` under which ``checkpoint`` nests a
-    state dict, or None (the checkpoint is the state dict itself)."""
-    if isinstance(checkpoint, dict):
-        for key in STATE_DICT_KEYS:
-            if isinstance(checkpoint.get(key), dict):
-                return key
-    return None
+    """The first of :func:`nested_keys`, or None (the checkpoint is the state
+    dict itself)."""
+    return next(iter(nested_keys(checkpoint)), None)
 
 
 def unwrap_state_dict(checkpoint):
@@ -230,19 +234,27 @@ def extract_state_dict(checkpoint, prefix: Optional[str] = None) -> Dict[str, to
     """The tensors of a model from a loaded checkpoint: ``checkpoint['model']``
     (the FLatten release), ``['state_dict']`` (mmengine), an EMA-only entry
     (``STATE_DICT_KEYS``) or the dict itself, with DDP's ``module.`` removed.
-    With ``prefix`` (mmengine's ``Pretrained`` option, e.g. ``'backbone.'``) only
-    the keys under it, stripped of it; without, of a whole detector or
-    segmenter (keys ``backbone.*``, ``neck.*``, ...) only the backbone."""
+    With ``prefix`` (mmengine's ``Pretrained`` option, e.g. ``'backbone'``; its
+    dot added as mmengine adds it) only the keys under it, stripped of it, with
+    or without ``module.`` before it; without, of a whole detector or segmenter
+    (keys ``backbone.*``, ``neck.*``, ...) only the backbone."""
     sd = unwrap_state_dict(checkpoint)
     if not isinstance(sd, dict):
         raise ValueError(f'checkpoint holds no state dict ({_describe(checkpoint)})')
-    tensors = {_strip(k, 'module.'): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    if prefix or any(k.startswith('backbone.') for k in tensors):
-        prefix = prefix or 'backbone.'
-        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        if not tensors:
-            raise ValueError(f'checkpoint holds no tensors under the prefix {prefix!r} '
-                             f'(first keys: {list(sd)[:4]})')
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    unwrapped = {_strip(k, 'module.'): v for k, v in tensors.items()}  # DDP's wrapper
+    if prefix:
+        prefix = prefix if prefix.endswith('.') else prefix + '.'
+        for keys in (tensors, unwrapped):
+            picked = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
+            if picked:
+                return picked
+        raise ValueError(f'checkpoint holds no tensors under the prefix {prefix!r} '
+                         f'(first keys: {list(sd)[:4]})')
+    tensors = unwrapped
+    if any(k.startswith('backbone.') for k in tensors):  # of a whole detector or segmenter
+        tensors = {k[len('backbone.'):]: v for k, v in tensors.items()
+                   if k.startswith('backbone.')}
     if not tensors:
         raise ValueError(f'checkpoint holds no tensors ({_describe(checkpoint)})')
     return tensors
@@ -261,8 +273,7 @@ def read_state_dict(path: str, prefix: Optional[str] = None) -> Dict[str, torch.
         sd = extract_state_dict(checkpoint, prefix)
     except ValueError as err:
         raise ValueError(f'{path}: {err}') from None
-    held = [k for k in STATE_DICT_KEYS if isinstance(checkpoint, dict)
-            and isinstance(checkpoint.get(k), dict)]
+    held = nested_keys(checkpoint)
     if len(held) > 1:
         print_log(f'{path} holds the weights {held}: loading {held[0]!r}', logger='current')
     return sd
@@ -279,17 +290,20 @@ def local_checkpoint(path: str) -> str:
             raise ValueError(f"checkpoint {path!r}: FLatten backbones load local files and "
                              f"http(s) URLs, not {scheme}:// (download it, and give its path)")
         return path
-    name = os.path.basename(urllib.parse.urlparse(path).path)
-    if not name:  # e.g. a share link ending in '/': named by the URL
-        name = hashlib.sha256(path.encode()).hexdigest()[:16] + '.pth'
-    local = os.path.join(torch.hub.get_dir(), 'checkpoints', name)
+    # the URL's file name (if any) and a hash of the whole URL: two URLs never
+    # share a cached file (versions in the path, ids in the query)
+    name = os.path.basename(urllib.parse.urlparse(path).path) or 'checkpoint.pth'
+    local = os.path.join(torch.hub.get_dir(), 'checkpoints',
+                         f'{hashlib.sha256(path.encode()).hexdigest()[:8]}-{name}')
     from mmengine.dist import barrier, get_dist_info
     rank, world_size = get_dist_info()
-    if rank == 0:
-        _download(path, local)
-    if world_size > 1:
-        barrier()
-        _download(path, local)  # another node's rank 0 downloaded it elsewhere
+    try:
+        if rank == 0:
+            _download(path, local)
+    finally:  # the other ranks never wait for a download that failed
+        if world_size > 1:
+            barrier()
+    _download(path, local)  # a rank of another node, or rank 0 failed: on its own
     return local
 
 
@@ -314,8 +328,14 @@ def load_pretrained(model: nn.Module,
     shape, a weight the model lacks or needs) raises ValueError naming it,
     since it means the checkpoint is of another architecture.
     """
-    path = local_checkpoint(path)
-    sd = read_state_dict(path, prefix)  # the model's load hook converts it
+    local = local_checkpoint(path)
+    try:
+        sd = read_state_dict(local, prefix)  # the model's load hook converts it
+    except ValueError as err:
+        if local == path:
+            raise
+        raise ValueError(f'{err} (downloaded from {path}: delete the file to download '
+                         'it again)') from None
     try:
         result = model.load_state_dict(sd, strict=False)
     except RuntimeError as err:

@@ -57,6 +57,11 @@ def test_prefixes_and_nesting_are_handled():
     assert list(sd) == ['b']
     with pytest.raises(ValueError, match='no tensors'):
         extract_state_dict({'model': {'x': 1}})
+    # mmengine's Pretrained prefix, with its dot or without, under DDP's wrapper or not
+    wrapped = {'state_dict': {'module.teacher.a': torch.ones(1),
+                              'module.student.a': torch.zeros(1)}}
+    for prefix in ('teacher', 'teacher.', 'module.teacher'):
+        assert extract_state_dict(wrapped, prefix)['a'].item() == 1, prefix
 
 
 def test_which_entry_of_a_file_is_loaded(tmp_path):
@@ -193,20 +198,29 @@ def test_pretrained_from_a_url_is_downloaded_once_and_read_safely(tmp_path, monk
                                       with_config=True)
     (served / 'share').mkdir()
     (served / 'share' / 'index.html').write_bytes((served / 'pvt_t.pth').read_bytes())
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    requests = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            requests.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(
+        ('127.0.0.1', 0), functools.partial(Handler, directory=str(served)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'torch_home'))
     base = f'http://127.0.0.1:{server.server_address[1]}'
     try:
-        for url, name in ((f'{base}/pvt_t.pth', 'pvt_t.pth'), (f'{base}/share/', None)):
+        for url in (f'{base}/pvt_t.pth', f'{base}/share/', f'{base}/pvt_t.pth'):
             dense = FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint=url))
             dense.init_weights()
             torch.testing.assert_close(dense.pos_embed3, model.pos_embed3)
-            cached = os.listdir(tmp_path / 'torch_home' / 'hub' / 'checkpoints')
-            assert name is None or name in cached
-        assert len(cached) == 2
     finally:
         server.shutdown()
+    assert requests == ['/pvt_t.pth', '/share/']  # the second load of a URL reads the cache
+    cached = os.listdir(tmp_path / 'torch_home' / 'hub' / 'checkpoints')  # hash-name
+    assert sorted(name.split('-', 1)[1] for name in cached) == ['checkpoint.pth', 'pvt_t.pth']
     with pytest.raises(ValueError, match=r"'s3://bucket/a.pth': .* not s3://"):
         FLattenPVT(init_cfg=dict(type='Pretrained', checkpoint='s3://bucket/a.pth')).init_weights()

@@ -18,12 +18,15 @@ ATTN_TYPES = ('L', 'S')
 
 def check_attn_type(attn_type: str, num_stages: int, one_for_all: bool = False) -> str:
     """Validate a per-stage attention string such as ``'LLSS'`` (``one_for_all``:
-    the caller also takes one letter for every stage, which the error then says)."""
+    one letter is taken for every stage too, and the error says so)."""
+    given = attn_type
+    if one_for_all and isinstance(attn_type, str) and len(attn_type) == 1:
+        attn_type = attn_type * num_stages
     if not isinstance(attn_type, str) or len(attn_type) != num_stages or \
             any(c not in ATTN_TYPES for c in attn_type):
         also = ' (or one letter for all)' if one_for_all else ''
         raise ValueError(f'attn_type must be a string of {num_stages} letters{also}, '
-                         f'each L (focused linear) or S (softmax), got {attn_type!r}')
+                         f'each L (focused linear) or S (softmax), got {given!r}')
     return attn_type
 
 

@@ -219,12 +219,10 @@ class FLattenBackbone(BaseModule):
         ``Pretrained`` one: loaded by :func:`~flatten_mm.checkpoint.load_pretrained`
         (the release's layout converted, anything that does not fit an error),
         with its ``prefix`` if given."""
+        check_init_cfg(self.init_cfg)  # again: it may have changed since the build
         cfgs = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg]
         cfgs = [cfg for cfg in cfgs if cfg is not None]
         pretrained = [cfg for cfg in cfgs if cfg.get('type') == 'Pretrained']
-        if len(pretrained) > 1:
-            raise ValueError(f'init_cfg holds {len(pretrained)} Pretrained entries, at most one '
-                             f'is allowed: {self.init_cfg!r}')
         self.default_init()
         others = [cfg for cfg in cfgs if cfg.get('type') != 'Pretrained']
         if others:
@@ -234,9 +232,6 @@ class FLattenBackbone(BaseModule):
             finally:
                 self.init_cfg = init_cfg
         for cfg in pretrained:
-            if not cfg.get('checkpoint'):
-                raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path, "
-                                 f'got {cfg!r}')
             load_pretrained(self, cfg['checkpoint'], ignore_unexpected=self.ignore_unexpected,
                             ignore_missing=self.ignore_missing, prefix=cfg.get('prefix'))
         self._is_init = True

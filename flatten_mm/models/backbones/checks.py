@@ -91,12 +91,17 @@ def check_out_indices(out_indices, num_stages: int = 4) -> Tuple[int, ...]:
 
 
 def check_init_cfg(init_cfg) -> None:
-    """None, a dict or a list of dicts (mmengine's forms); a ``Pretrained``
-    one names its checkpoint (else the error would come at init_weights)."""
+    """None, a dict or a list of dicts (mmengine's forms); at most one
+    ``Pretrained``, which names its checkpoint (else the error would come at
+    init_weights)."""
     cfgs = init_cfg if isinstance(init_cfg, list) else [init_cfg]
     if init_cfg is not None and not all(isinstance(c, dict) for c in cfgs):
         raise ValueError(f'init_cfg must be None, a dict or a list of dicts, got {init_cfg!r}')
-    for cfg in cfgs:
-        if cfg is not None and cfg.get('type') == 'Pretrained' and not cfg.get('checkpoint'):
+    pretrained = [cfg for cfg in cfgs if cfg is not None and cfg.get('type') == 'Pretrained']
+    if len(pretrained) > 1:
+        raise ValueError(f'init_cfg holds {len(pretrained)} Pretrained entries, at most one '
+                         f'is allowed: {init_cfg!r}')
+    for cfg in pretrained:
+        if not cfg.get('checkpoint'):
             raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path, "
                              f'got {cfg!r}')

@@ -249,8 +249,6 @@ class FLattenDeiT(FLattenBackbone):
         if int(preset['embed_dims'] * self.mlp_ratio) < 1:
             raise ValueError(f'mlp_ratio must give the MLP a hidden layer: int(embed_dims * '
                              f'mlp_ratio) is 0, got {self.mlp_ratio!r}')
-        if isinstance(attn_type, str) and len(attn_type) == 1:
-            attn_type = attn_type * self.depth
         self.attn_type = check_attn_type(attn_type, self.depth, one_for_all=True)
         self.arch = arch
         self.num_heads = preset['num_heads']

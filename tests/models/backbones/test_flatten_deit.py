@@ -136,6 +136,7 @@ def test_registered_in_mmdet_and_mmseg():
                                               'depth'),
     (dict(embed_dims=30, num_heads=4), r'embed_dims \(30\) must be divisible by num_heads'),
     (dict(depth=0), 'depth must be an int >= 1, got 0'),
+    (dict(attn_type='X'), r"letter for all\).*got 'X'$"),
     (dict(attn_type='LX'),
      r"attn_type must be a string of 12 letters \(or one letter for all\).*got 'LX'"),
     (dict(attn_type='LLS'), "attn_type must be a string of 12 letters.*got 'LLS'"),

@@ -124,7 +124,8 @@ def test_pretrained_in_an_init_cfg_list_and_with_a_prefix(family, tmp_path):
                                **{f'student.backbone.{k}': v * 0 for k, v in sd.items()}}}, both)
     constant = dict(type='Constant', layer='LayerNorm', val=2.0)
     for init_cfg in ([constant, dict(type='Pretrained', checkpoint=str(release))],
-                     dict(type='Pretrained', checkpoint=str(both), prefix='teacher.backbone.')):
+                     dict(type='Pretrained', checkpoint=str(both), prefix='teacher.backbone.'),
+                     dict(type='Pretrained', checkpoint=str(both), prefix='teacher.backbone')):
         m = small_backbone(family, init_cfg=init_cfg)
         for name, value in m.state_dict().items():
             torch.testing.assert_close(value, sd[name], rtol=0, atol=0, msg=name)
