@@ -199,11 +199,25 @@ def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> StateDict:
     ``head.fc.*``) to ours, and drop the head when the class count differs.
     The release's own layout is converted when the model loads it
     (:func:`convert_on_load`)."""
+    sd = classifier_state_dict(state_dict, model)
+    return without_head(sd) if other_class_count(sd, model) else sd
+
+
+def classifier_state_dict(state_dict: dict, model: nn.Module) -> StateDict:
+    """The tensors of a loaded checkpoint for the classifier ``model``: nested
+    ones taken out, an mmpretrain classifier's renamed to ours."""
     nested = unwrap_state_dict(state_dict)
     if is_mmpretrain_classifier(nested):
         state_dict = from_mmpretrain(nested, model)
-    sd = extract_state_dict(state_dict)
-    head = sd.get('head.weight')
-    if head is not None and head.shape[0] != getattr(model, 'num_classes', head.shape[0]):
-        sd = {k: v for k, v in sd.items() if not k.startswith('head.')}
-    return sd
+    return extract_state_dict(state_dict)
+
+
+def without_head(state_dict: StateDict) -> StateDict:
+    """``state_dict`` without the classifier's ``head.*``."""
+    return {k: v for k, v in state_dict.items() if not k.startswith('head.')}
+
+
+def other_class_count(state_dict: StateDict, model: nn.Module) -> bool:
+    """Whether ``state_dict``'s head has another class count than ``model``'s."""
+    head = state_dict.get('head.weight')
+    return head is not None and head.shape[0] != getattr(model, 'num_classes', head.shape[0])

@@ -7,6 +7,8 @@ imports it when timm is installed (:func:`flatten_mm.registry.register_timm`).
 models the authors released ImageNet-1K weights for (no download URL: the
 files are loaded from a path, ``pretrained_cfg_overlay=dict(file=...)``).
 """
+from typing import Optional
+
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
@@ -53,12 +55,14 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create(cls, variant: str, pretrained: bool = False, out_indices=(0, 1, 2, 3),
-            img_size=None, **kwargs):
+            img_size=None, defaults: Optional[dict] = None, **kwargs):
+    """``defaults``: the variant's settings, which the caller's ``kwargs`` override."""
     if img_size is not None:  # timm's name: here the size the positional terms are
         if 'pretrain_img_size' in kwargs:  # defined for (any input size runs)
             raise TypeError(f'{variant}: give img_size or pretrain_img_size, not both '
                             f'(got {img_size!r} and {kwargs["pretrain_img_size"]!r})')
         kwargs['pretrain_img_size'] = img_size
+    kwargs = dict(defaults or {}, **kwargs)
     return build_model_with_cfg(
         cls, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
@@ -151,9 +155,8 @@ def flatten_swin_base(pretrained: bool = False, **kwargs) -> FLattenSwinClassifi
 @register_model
 def flatten_swin_base_384(pretrained: bool = False, **kwargs) -> FLattenSwinClassifier:
     """FLatten-Swin-B at 384², softmax windows of 12 (released weights)."""
-    kwargs = dict(dict(pretrain_img_size=384, window_size=12), **kwargs)
     return _create(FLattenSwinClassifier, 'flatten_swin_base_384', pretrained, arch='base',
-                   **kwargs)
+                   defaults=dict(pretrain_img_size=384, window_size=12), **kwargs)
 
 
 @register_model
@@ -180,9 +183,8 @@ def flatten_cswin_base(pretrained: bool = False, **kwargs) -> FLattenCSwinClassi
 @register_model
 def flatten_cswin_base_384(pretrained: bool = False, **kwargs) -> FLattenCSwinClassifier:
     """FLatten-CSwin-B at 384², softmax stripes of 1, 2, 12, 12."""
-    kwargs = dict(dict(pretrain_img_size=384, split_size=(1, 2, 12, 12)), **kwargs)
     return _create(FLattenCSwinClassifier, 'flatten_cswin_base_384', pretrained, arch='base',
-                   **kwargs)
+                   defaults=dict(pretrain_img_size=384, split_size=(1, 2, 12, 12)), **kwargs)
 
 
 def _deit(variant: str, arch: str, pretrained: bool, **kwargs) -> FLattenDeiTClassifier:

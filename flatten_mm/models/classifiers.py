@@ -9,7 +9,7 @@ from typing import List, Optional, Set, Tuple, Union
 from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
-from ..conversion import checkpoint_filter_fn
+from ..conversion import classifier_state_dict, other_class_count, without_head
 from .attention import grid_tokens
 from .utils import HWShape
 from .layers import check_images, stage_output
@@ -151,14 +151,15 @@ class ClassifierMixin:
         another class count, the head left as initialised. Anything else that
         does not fit raises, as a strict load."""
         from timm.models import adapt_input_conv  # only timm calls this hook
-        sd = checkpoint_filter_fn(load_checkpoint_file(path), self)
+        sd = classifier_state_dict(load_checkpoint_file(path), self)
+        head_left = other_class_count(sd, self)  # then the head keeps its initialisation
+        sd = without_head(sd) if head_left else sd
         first = getattr(self, 'pretrained_cfg', {}).get('first_conv')
         key = f'{first}.weight'
         own = self.state_dict().get(key)
         if own is not None and key in sd and sd[key].shape[1] != own.shape[1]:
             sd[key] = adapt_input_conv(own.shape[1], sd[key])
         missing, unexpected = self.load_state_dict(sd, strict=False)
-        head_left = 'head.weight' not in sd  # dropped by the filter for another class count
         missing = [k for k in missing if not (head_left and k.startswith('head.'))]
         if missing or unexpected:
             raise RuntimeError(f'{path} does not fit {type(self).__name__}: missing '

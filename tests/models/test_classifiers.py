@@ -190,6 +190,13 @@ def test_custom_load_adapts_as_timm_loader_does(name, tmp_path):
         for key, value in timms.items():
             torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
         assert ours[first].shape[1] == kwargs.get('in_chans', 3)
+    headless = str(tmp_path / 'headless.pth')  # at the same class count: an error, as timm's
+    sd = load_checkpoint_file(with_config)['model']
+    torch.save({'model': {k: v for k, v in sd.items() if not k.startswith('head.')}}, headless)
+    with pytest.raises(RuntimeError,
+                       match=r"does not fit .*missing \['head.weight', 'head.bias'\]"):
+        timm.create_model(name, pretrained=True,
+                          pretrained_cfg_overlay=dict(file=headless, custom_load=True))
 
 
 def test_new_class_count_drops_the_head(tmp_path):

@@ -203,3 +203,12 @@ def test_img_size_sets_the_positional_terms_size(name):
     assert shapes != {k: v.shape for k, v in small(name).state_dict().items()}
     with pytest.raises(TypeError, match='img_size or pretrain_img_size, not both'):
         small(name, img_size=320, pretrain_img_size=384)
+
+
+def test_img_size_of_a_384_model():
+    """A variant's own size (384) gives way to the caller's img_size."""
+    def shapes(**kwargs):
+        with torch.device('meta'):
+            model = timm.create_model('flatten_swin_base_384', **kwargs)
+        return {k: v.shape for k, v in model.state_dict().items()}
+    assert shapes(img_size=512) == shapes(pretrain_img_size=512) != shapes()
