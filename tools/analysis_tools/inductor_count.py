@@ -6,7 +6,8 @@ dtypes and devices only) to the kernels it would launch on an sm_90 GPU with
 (matmuls, convolutions, fused attention, flatten_mm's custom ops). Their
 source is generated, nothing is built to machine code or run, and Inductor's
 own count of each kernel's bytes read and written
-(``GraphLowering.count_bytes``) is recorded. Each graph's module then runs the
+(``get_read_write_buffers_sizes``, as ``GraphLowering.count_bytes`` sums it) is
+recorded. Each graph's module then runs the
 graph's own ops on the fake tensors, so the program goes on as compiled code
 would. :func:`inductor_for_a_fake_gpu` sets this up; ``trace_cuda.py
 --count-ops --compiled`` runs a model's training step through it.
@@ -50,10 +51,10 @@ def _record_and_run(graphs: List[dict]):
     record the kernels' bytes, and return a module that runs the graph's ops."""
     def compile_to_module(lowering):
         lowering.codegen()
-        total, counts, _ = lowering.count_bytes()
-        kernels = [(kernel_label(node), words * 4) for node, words in counts
+        kernels = [(kernel_label(node), node.get_read_write_buffers_sizes())  # count_bytes's
+                   for node in lowering.scheduler.nodes
                    if type(node).__name__ != 'NopKernelSchedulerNode']
-        graphs.append(dict(bytes=total, kernels=kernels))
+        graphs.append(dict(bytes=sum(size for _, size in kernels), kernels=kernels))
         module = lowering.module
         return SimpleNamespace(call=lambda args: module(*args), __file__='<not built>')
     return compile_to_module

@@ -180,14 +180,16 @@ def _nodes_to_inputs(roots: list, targets: set) -> set:
 
 
 def _call_node(node, given: dict) -> tuple:
-    """A node's input gradients from those ``given`` to its outputs (absent
-    ones zero, as the engine fills them)."""
+    """A node's input gradients from those ``given`` to its outputs: a C++
+    node takes the absent ones undefined, a Python one (a custom
+    ``autograd.Function``) as zeros, as the engine passes them."""
     args = [given.get(i) for i in range(len(node._input_metadata))]
-    if all(a is None for a in args):
-        return (None, ) * len(node.next_functions)
-    args = [torch.zeros(list(meta.shape), dtype=meta.dtype, device=meta.device)
-            if a is None else a for a, meta in zip(args, node._input_metadata)]
-    outs = node(*args) if callable(node) else node.apply(*args)  # C++ / Python node
+    if callable(node):  # C++ node
+        outs = node(*args)
+    else:
+        args = [torch.zeros(list(meta.shape), dtype=meta.dtype, device=meta.device)
+                if a is None else a for a, meta in zip(args, node._input_metadata)]
+        outs = node.apply(*args)
     return outs if isinstance(outs, tuple) else (outs, )
 
 
@@ -198,8 +200,10 @@ def python_grad(outputs, inputs, grad_outputs=None) -> tuple:
     on a path to an input run, each once after all that feed it; each
     gradient summed to the shape and cast to the dtype its next node takes,
     the gradients of one input summed."""
-    outputs, inputs = list(outputs), list(inputs)
-    grad_outputs = grad_outputs or [None] * len(outputs)
+    def as_list(x) -> list:
+        return [x] if isinstance(x, torch.Tensor) else list(x)
+    outputs, inputs = as_list(outputs), as_list(inputs)
+    grad_outputs = [None] * len(outputs) if grad_outputs is None else as_list(grad_outputs)
     edges = [torch.autograd.graph.get_gradient_edge(x) for x in inputs]
     grads, roots = {}, []
     for out, grad in zip(outputs, grad_outputs):
@@ -301,7 +305,7 @@ def compile_step(model: nn.Module, fake_mode, shape: tuple) -> List[dict]:
         outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         if not any(out.is_cuda for out in outs):
             return grad(outputs, inputs, grad_outputs, **kwargs)
-        return python_grad(outs, inputs, grad_outputs)
+        return python_grad(outputs, inputs, grad_outputs)
     torch._dynamo.reset()
     with contextlib.ExitStack() as stack:
         stack.callback(torch._dynamo.reset)
@@ -321,20 +325,21 @@ def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
     generated, not built or run. A graph break is reported."""
     row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
                backend='inductor', status='ok')
-    graphs = []
     try:
         graphs = compile_step(*fake_cuda_model(name, dtype), (batch, 3, *size))
-        if len(graphs) != 2:
-            row['status'] = f'{len(graphs)} graphs, not a forward and a backward'
     except Exception as err:  # noqa: BLE001 (reported, and the exit status says so)
         row.update(status='failed', error=f'{type(err).__name__}: {str(err)[:1500]}')
+        return row
+    if len(graphs) != 2:
+        row['status'] = f'{len(graphs)} graphs, not a forward and a backward'
+        return row
     for part, graph in zip(('forward', 'backward'), graphs):
         labels, sizes = Counter(), Counter()
         for label, size_ in graph['kernels']:
             labels[label] += 1
             sizes[label] += size_
         row[part] = dict(op_calls=dict(labels), op_bytes=dict(sizes),
-                         ops=len(graph['kernels']), bytes=graph['bytes'], flops=0)
+                         ops=len(graph['kernels']), bytes=graph['bytes'])  # no FLOP count
     return row
 
 
@@ -393,11 +398,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
+    if args.compiled and (not args.count_ops or args.release_dir or args.backend != 'auto'):
+        parser.error('--compiled goes with --count-ops, and without --release-dir or '
+                     "--backend (the core takes the Triton ops, as compiled on a GPU)")
     return args
 
 
 def summary(row: dict) -> str:
-    """One printed line of a :func:`trace` or :func:`count_graphs` row."""
+    """One printed line of a row of :func:`trace`, :func:`count_graphs`,
+    :func:`count_step_ops` or :func:`count_compiled_step`."""
     if row.get('backend') == 'inductor':
         if 'backward' not in row:
             return f"{row['model']} compiled: {row['status']} {row.get('error', '')}"
