@@ -122,9 +122,15 @@ def fit_bias_table(table: Tensor, layer: WindowSoftmaxAttention) -> Tensor:
 
 def fit_to_model(state_dict: StateDict, model: nn.Module) -> StateDict:
     """Resize, in place, the tensors of ``state_dict`` that ``model`` holds
-    at another size: positional encodings of its focused linear attention
-    layers (to their ``pos_grid``) and bias tables of its softmax window
-    attention (to their window; the index buffer is then the model's own)."""
+    at another size: its absolute position embeddings (the model's
+    ``position_embeddings()``: PVT's, DeiT's), positional encodings of its
+    focused linear attention layers (to their ``pos_grid``) and bias tables of
+    its softmax window attention (to their window; the index buffer is then
+    the model's own)."""
+    for key, grid, num_prefix in getattr(model, 'position_embeddings', tuple)():
+        if key in state_dict:
+            state_dict[key] = fit_grid_tokens(state_dict[key], model.get_parameter(key), grid,
+                                              key, num_prefix)
     for name, layer in model.named_modules():
         prefix = f'{name}.' if name else ''
         if isinstance(layer, FocusedLinearAttention):

@@ -213,6 +213,12 @@ class FLattenBackbone(BaseModule):
         function of :mod:`flatten_mm.conversion`, applied on every load."""
         raise NotImplementedError
 
+    def position_embeddings(self) -> List[Tuple[str, HWShape, int]]:
+        """Absolute position embeddings, as (name, grid, class slots), that
+        loading resizes to their grid (:func:`~flatten_mm.conversion.fit_to_model`):
+        none here."""
+        return []
+
     def init_weights(self):
         """The release's initialisation, then mmengine's initialisers of
         ``init_cfg`` (a dict or a list), then, as mmengine orders them, a

@@ -15,13 +15,12 @@ timm loads into ``attn_type='S'``. Each block is a stage of
 :class:`~flatten_mm.models.backbones.base.FLattenBackbone`: ``out_indices``
 and ``frozen_stages`` count blocks, and every output is a stride-16 map.
 """
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...conversion import fit_grid_tokens
 from ..attention import FocusedLinearAttention
 from ..layers import (DropPath, Mlp, check_attn_type, check_images, drop_path_rates,
                       stage_output)
@@ -310,12 +309,13 @@ class FLattenDeiT(FLattenBackbone):
         return tuple(outs)
 
     def convert_official(self, state_dict: dict) -> dict:
-        """Our (timm's) names: nothing renamed; a position embedding learnt on
-        another square grid is resized to this model's."""
-        if 'pos_embed' in state_dict:
-            state_dict['pos_embed'] = fit_grid_tokens(state_dict['pos_embed'], self.pos_embed,
-                                                      self.pos_grid, 'pos_embed', num_prefix=1)
+        """Our (timm's) names: nothing renamed."""
         return state_dict
+
+    def position_embeddings(self) -> List[Tuple[str, HWShape, int]]:
+        """The position embedding, its grid and its class slot: weights learnt
+        on another grid are resized to it on loading."""
+        return [('pos_embed', self.pos_grid, 1)]
 
     def default_init(self):
         super().default_init()

@@ -5,12 +5,12 @@ Module names follow the official release (``patch_embed{i}``,
 checkpoints load without renaming. The two versions differ by four named
 flags of :class:`FLattenPyramid`.
 """
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from ...conversion import fit_grid_tokens, pvt_convert
+from ...conversion import pvt_convert
 from ..attention import FocusedLinearAttention
 from ..resize import add_resized, cached_resize_parts
 from ..utils import HWShape, stage_grid, tokens_to_map
@@ -183,18 +183,14 @@ class FLattenPyramid(FLattenBackbone):
         if self.stage_norm:
             setattr(self, f'norm{n}', nn.LayerNorm(dims, eps=1e-6))
 
-    def convert_official(self, state_dict: dict) -> dict:
-        """The release's names are ours (:func:`~flatten_mm.conversion.pvt_convert`);
-        PVT's position embeddings learnt on another square grid (the 224 weights
-        in a model of another ``pretrain_img_size``) are resized to this model's,
-        as the attention layers' positional encodings are."""
-        state_dict = pvt_convert(state_dict)
-        for i in range(self.num_stages if self.absolute_pos_embed else 0):
-            key = f'pos_embed{i + 1}'
-            if key in state_dict:
-                state_dict[key] = fit_grid_tokens(state_dict[key], getattr(self, key),
-                                                  self.pos_grids[i], key)
-        return state_dict
+    convert_official = staticmethod(pvt_convert)
+
+    def position_embeddings(self) -> List[Tuple[str, HWShape, int]]:
+        """PVT's position embedding of each stage (PVTv2 has none), with its
+        grid: weights learnt on another grid are resized to it on loading."""
+        if not self.absolute_pos_embed:
+            return []
+        return [(f'pos_embed{i + 1}', self.pos_grids[i], 0) for i in range(self.num_stages)]
 
     def default_init(self):
         super().default_init()
