@@ -209,18 +209,12 @@ def nested_keys(checkpoint) -> list:
     return [key for key in STATE_DICT_KEYS if isinstance(checkpoint.get(key), dict)]
 
 
-def state_dict_key(checkpoint) -> Optional[str]:
-    """The first of :func:`nested_keys`, or None (the checkpoint is the state
-    dict itself)."""
-    return next(iter(nested_keys(checkpoint)), None)
-
-
 def unwrap_state_dict(checkpoint):
-    """The state dict a loaded checkpoint nests under one of ``STATE_DICT_KEYS``
-    (``'model'`` for the release, ``'state_dict'`` for mmengine), or the
-    checkpoint itself."""
-    key = state_dict_key(checkpoint)
-    return checkpoint if key is None else checkpoint[key]
+    """The state dict a loaded checkpoint nests under the first of its
+    :func:`nested_keys` (``'model'`` for the release, ``'state_dict'`` for
+    mmengine), or the checkpoint itself."""
+    keys = nested_keys(checkpoint)
+    return checkpoint[keys[0]] if keys else checkpoint
 
 
 def _describe(checkpoint) -> str:

@@ -76,18 +76,15 @@ def check_out_indices(out_indices, num_stages: int = 4) -> Tuple[int, ...]:
     """``out_indices`` as a tuple: one stage index or a non-empty sequence of
     distinct ones in increasing order (the order of the returned maps); negative
     ones count from the last stage, as mmseg's and mmpretrain's ViT take them."""
-    values = (out_indices, ) if isinstance(out_indices, int) and \
-        not isinstance(out_indices, bool) else out_indices
-    values = tuple(values) if isinstance(values, (list, tuple)) else None
-    if values and all(isinstance(i, int) and not isinstance(i, bool) for i in values):
+    values = [out_indices] if isinstance(out_indices, int) else out_indices
+    if isinstance(values, (list, tuple)) and values and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in values):
         values = tuple(i + num_stages if i < 0 else i for i in values)
-    if not values or any(isinstance(i, bool) or not isinstance(i, int)
-                         or not 0 <= i < num_stages for i in values) \
-            or list(values) != sorted(set(values)):
-        raise ValueError(f'out_indices must be stage indices in -{num_stages}..{num_stages - 1} '
-                         f'(negative: from the last), distinct and increasing, one or a tuple '
-                         f'or list (e.g. (0, 1, 2, 3), (2,) or -1), got {out_indices!r}')
-    return values
+        if all(0 <= i < num_stages for i in values) and list(values) == sorted(set(values)):
+            return values
+    raise ValueError(f'out_indices must be stage indices in -{num_stages}..{num_stages - 1} '
+                     f'(negative: from the last), distinct and increasing, one or a tuple '
+                     f'or list (e.g. (0, 1, 2, 3), (2,) or -1), got {out_indices!r}')
 
 
 def check_init_cfg(init_cfg) -> None:
