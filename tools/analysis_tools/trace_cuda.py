@@ -256,6 +256,22 @@ def run_backward(loss: torch.Tensor) -> None:
             leaf.grad = grad if leaf.grad is None else leaf.grad + grad
 
 
+@contextlib.contextmanager
+def on_fake_gpu(fake_mode, backend: str = 'auto'):
+    """Calls take the branches a GPU takes, on fake CUDA tensors: the core on
+    ``backend``, CUDA autocast, softmax attention as the GPU's fused kernel
+    (:func:`fused_sdpa`)."""
+    with mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa), \
+            use_backend(backend), cuda_autocast_without_gpu(), fake_mode:
+        yield
+
+
+def step_row(name: str, size: list, dtype: str, batch: int, backend: str) -> dict:
+    """The start of a row of one model's counted training step."""
+    return dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
+                backend=backend, status='ok')
+
+
 def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str = 'auto',
                    release_dir: Optional[str] = None) -> dict:
     """Ops of the second eager training step of one model on fake CUDA tensors
@@ -273,19 +289,16 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
     model, fake_mode = fake_cuda_model(name, dtype, release_dir)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
-        stack.enter_context(mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa))
         for module in (triton_backend, triton_conv):
             stack.enter_context(mock.patch.object(module, '_agrees_on_first_use', lambda *a: True))
             stack.enter_context(mock.patch.dict(module._KERNELS))  # 'ran' on the first call
-        for context in (use_backend(backend), cuda_autocast_without_gpu(), fake_mode):
-            stack.enter_context(context)
+        stack.enter_context(on_fake_gpu(fake_mode, backend))
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
         losses = []
         forward = tally_ops(lambda: losses.append(training_loss(model(x))))
         backward = tally_ops(lambda: run_backward(losses[0]))
-    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
-               backend=backend, status='ok')
+    row = step_row(name, size, dtype, batch, backend)
     for part, tally in (('forward', forward), ('backward', backward)):
         row[part] = dict(op_calls=tally.calls, op_bytes=tally.bytes, ops=sum(tally.calls.values()),
                          bytes=sum(tally.bytes.values()), flops=sum(tally.flops.values()))
@@ -309,11 +322,9 @@ def compile_step(model: nn.Module, fake_mode, shape: tuple) -> List[dict]:
     torch._dynamo.reset()
     with contextlib.ExitStack() as stack:
         stack.callback(torch._dynamo.reset)
-        stack.enter_context(mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa))
         stack.enter_context(mock.patch('torch.autograd.grad', traced_grad))
         graphs = stack.enter_context(inductor_for_a_fake_gpu())
-        for context in (use_backend('auto'), cuda_autocast_without_gpu(), fake_mode):
-            stack.enter_context(context)
+        stack.enter_context(on_fake_gpu(fake_mode))
         step = torch.compile(lambda x: training_loss(model(x)), fullgraph=True)
         step(torch.randn(*shape, device='cuda'))
     return graphs
@@ -323,8 +334,7 @@ def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
     """The kernels torch.compile's Inductor makes of one model's training step
     for an sm_90 GPU (:func:`compile_step`), with their bytes read and written:
     generated, not built or run. A graph break is reported."""
-    row = dict(model=name, size='x'.join(map(str, size)), dtype=dtype, batch=batch,
-               backend='inductor', status='ok')
+    row = step_row(name, size, dtype, batch, 'inductor')
     try:
         graphs = compile_step(*fake_cuda_model(name, dtype), (batch, 3, *size))
     except Exception as err:  # noqa: BLE001 (reported, and the exit status says so)
