@@ -235,7 +235,14 @@ def extract_state_dict(checkpoint, prefix: Optional[str] = None) -> Dict[str, to
     sd = unwrap_state_dict(checkpoint)
     if not isinstance(sd, dict):
         raise ValueError(f'checkpoint holds no state dict ({_describe(checkpoint)})')
-    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    arrays = [f'{k!r} ({type(v).__module__}.{type(v).__name__})' for k, v in sd.items()
+              if getattr(v, 'ndim', 0) and not isinstance(v, torch.Tensor)]
+    if arrays:  # weights saved as another library's arrays are not skipped silently
+        # (scalars are metadata: an epoch, a best score)
+        raise ValueError(f'checkpoint entries are arrays but not torch tensors: '
+                         f'{", ".join(arrays[:4])}{" ..." if len(arrays) > 4 else ""}; '
+                         'convert them (torch.from_numpy) and save again')
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}  # not metadata
     unwrapped = {_strip(k, 'module.'): v for k, v in tensors.items()}  # DDP's wrapper
     if prefix:
         prefix = prefix if prefix.endswith('.') else prefix + '.'

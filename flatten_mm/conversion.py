@@ -199,14 +199,29 @@ def from_mmpretrain(state_dict: StateDict, model: nn.Module) -> StateDict:
     return out
 
 
-def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> StateDict:
+def checkpoint_filter_fn(state_dict: dict, model: nn.Module, strict: bool = True) -> StateDict:
     """timm's filter for official weights: take ``state_dict['model']`` if
     nested, rename an mmpretrain classifier's checkpoint (``backbone.*``,
     ``head.fc.*``) to ours, and drop the head when the class count differs.
     The release's own layout is converted when the model loads it
-    (:func:`convert_on_load`)."""
+    (:func:`convert_on_load`). For another class count timm loads
+    non-strictly; with ``strict`` (timm's ``pretrained_strict``, bound by
+    the model functions) the rest must then fit as in a strict load, so
+    that weights of another size of the family do not load in part."""
     sd = classifier_state_dict(state_dict, model)
-    return without_head(sd) if other_class_count(sd, model) else sd
+    if not other_class_count(sd, model):
+        return sd
+    sd = without_head(sd)
+    if strict:
+        own = {k for k in model.state_dict() if not k.startswith('head.')}
+        held = set(model.convert_official(dict(sd)))
+        missing, unexpected = sorted(own - held), sorted(held - own)
+        if missing or unexpected:
+            raise RuntimeError(f'the checkpoint does not fit {type(model).__name__}: missing '
+                               f'{missing[:8] or "none"}, unexpected {unexpected[:8] or "none"}'
+                               f' ({len(missing)} and {len(unexpected)} keys; '
+                               'pretrained_strict=False loads what fits)')
+    return sd
 
 
 def classifier_state_dict(state_dict: dict, model: nn.Module) -> StateDict:

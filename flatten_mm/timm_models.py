@@ -7,6 +7,7 @@ imports it when timm is installed (:func:`flatten_mm.registry.register_timm`).
 models the authors released ImageNet-1K weights for (no download URL: the
 files are loaded from a path, ``pretrained_cfg_overlay=dict(file=...)``).
 """
+from functools import partial
 from typing import Optional
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -65,7 +66,9 @@ def _create(cls, variant: str, pretrained: bool = False, out_indices=(0, 1, 2, 3
     kwargs = dict(defaults or {}, **kwargs)
     return build_model_with_cfg(
         cls, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
+        # timm loads another class count non-strictly: the filter checks the rest
+        pretrained_filter_fn=partial(checkpoint_filter_fn,
+                                     strict=kwargs.get('pretrained_strict', True)),
         # features_only: timm's getter over forward_intermediates, after
         # prune_intermediate_layers has dropped what the features do not use
         feature_cfg=dict(feature_cls='getter', out_indices=out_indices),

@@ -2,6 +2,7 @@ import os
 import pickle
 from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,11 @@ def test_prefixes_and_nesting_are_handled():
     assert list(sd) == ['b']
     with pytest.raises(ValueError, match='no tensors'):
         extract_state_dict({'model': {'x': 1}})
+    # weights held as numpy arrays are named, not reported missing; scalars are metadata
+    assert list(extract_state_dict({'w': torch.ones(1), 'best': np.float64(0.5)})) == ['w']
+    with pytest.raises(ValueError, match=r"entries are arrays but not torch tensors: 'b' "
+                                         r"\(numpy.ndarray\); convert them"):
+        extract_state_dict({'model': {'a': torch.ones(1), 'b': np.ones(2)}})
     # mmengine's Pretrained prefix, with its dot or without, under DDP's wrapper or not
     wrapped = {'state_dict': {'module.teacher.a': torch.ones(1),
                               'module.student.a': torch.zeros(1)}}

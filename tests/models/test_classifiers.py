@@ -203,9 +203,22 @@ def test_new_class_count_drops_the_head(tmp_path):
     path = str(tmp_path / 'pvt.pth')
     source = write_official_checkpoint(path, 'flatten_pvt_tiny')
     model = timm.create_model('flatten_pvt_tiny', pretrained=True, num_classes=10,
-                              pretrained_cfg_overlay=dict(file=path),
-                              pretrained_strict=False)
+                              pretrained_cfg_overlay=dict(file=path))
     assert model.head.out_features == 10
+    torch.testing.assert_close(model.block4[1].mlp.fc2.weight, source.block4[1].mlp.fc2.weight)
+
+
+def test_new_class_count_still_refuses_another_size(tmp_path):
+    """For another class count timm loads non-strictly; the filter keeps the
+    rest strict unless the user asks otherwise (``pretrained_strict=False``)."""
+    path = str(tmp_path / 'pvt_small.pth')
+    source = write_official_checkpoint(path, 'flatten_pvt_small')  # depths 3-4-6-3, not 2-2-2-2
+    with pytest.raises(RuntimeError, match=r"does not fit FLattenPVTClassifier: missing none, "
+                                           r"unexpected \['block1.2.attn"):
+        timm.create_model('flatten_pvt_tiny', pretrained=True, num_classes=10,
+                          pretrained_cfg_overlay=dict(file=path))
+    model = timm.create_model('flatten_pvt_tiny', pretrained=True, num_classes=10,
+                              pretrained_cfg_overlay=dict(file=path), pretrained_strict=False)
     torch.testing.assert_close(model.block4[1].mlp.fc2.weight, source.block4[1].mlp.fc2.weight)
 
 
