@@ -1,15 +1,16 @@
 """The depth-wise convolution of V, with a hand-written weight gradient on CPUs,
-and :func:`depthwise_conv_add`, the attention output plus that conv, whose fused
+:func:`depthwise_conv_tokens`, such a conv of tokens (also PVTv2's MLP), and
+:func:`depthwise_conv_add`, the attention output plus that conv, whose fused
 form (:mod:`.triton_conv`) the attention backend switch chooses."""
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..utils import map_to_tokens, tokens_to_map
-from .dispatch import backend_of, register_backend
+from ..utils import autocast_input, map_to_tokens, tokens_to_map
+from .dispatch import backend_of, register_backend, register_op_pair
 
 
 class DepthwiseConvFn(torch.autograd.Function):
@@ -52,7 +53,12 @@ class DepthwiseConvFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def depthwise_conv(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+def plain_depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)``."""
+    return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=x.shape[1])
+
+
+def depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``F.conv2d(x, weight, bias, padding=k // 2, groups=C)`` on any device.
 
     On CPUs through :class:`DepthwiseConvFn`. Elsewhere the plain conv, whose
@@ -62,14 +68,88 @@ def depthwise_conv(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """
     if x.device.type == 'cpu':
         return DepthwiseConvFn.apply(x, weight, bias)
-    return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=x.shape[1])
+    return plain_depthwise_conv(x, weight, bias)
+
+
+def _tokens_conv_impl(x: Tensor, weight: Tensor, H: int, W: int) -> Tensor:
+    """The conv (no bias) of tokens x (B, H*W, C), as contiguous tokens."""
+    return map_to_tokens(plain_depthwise_conv(tokens_to_map(x, (H, W)), weight, None)).contiguous()
+
+
+def _tokens_conv_fake(x: Tensor, weight: Tensor, H: int, W: int) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _tokens_conv_backward_impl(grad: Tensor, x: Tensor, weight: Tensor, H: int, W: int
+                               ) -> Tuple[Tensor, Tensor]:
+    """Gradients for x and the weight: the library's conv backward on
+    channels-last views, as in eager mode."""
+    pad = weight.shape[-1] // 2
+    grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
+        tokens_to_map(grad, (H, W)), tokens_to_map(x, (H, W)), weight, None, [1, 1], [pad, pad],
+        [1, 1], False, [0, 0], x.shape[-1], [True, True, False])
+    return map_to_tokens(grad_x).contiguous(), grad_w.contiguous()
+
+
+def _tokens_conv_backward_fake(grad: Tensor, x: Tensor, weight: Tensor, H: int, W: int
+                               ) -> Tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _tokens_conv_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    x, weight, H, W = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.hw_shape = (H, W)
+
+
+def _tokens_conv_backward(ctx: Any, grad: Tensor) -> tuple:
+    x, weight = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.flatten_mm.depthwise_conv_backward(grad, x, weight, *ctx.hw_shape)
+    return grad_x, grad_w, None, None
+
+
+register_op_pair('depthwise_conv', (_tokens_conv_impl, _tokens_conv_fake),
+                 (_tokens_conv_backward_impl, _tokens_conv_backward_fake),
+                 (_tokens_conv_backward, _tokens_conv_setup))
+
+
+def compiled_for_gpu(x: Tensor) -> bool:
+    """Whether x is in a graph torch.compile traces for a GPU (not a CPU)."""
+    return torch.compiler.is_compiling() and x.device.type != 'cpu'
+
+
+def depthwise_conv_tokens(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
+                          bias: Optional[Tensor]) -> Tensor:
+    """The depth-wise conv (padding K // 2) of tokens x (B, H*W, C) on the
+    (H, W) grid, as tokens: :func:`depthwise_conv` of a channels-last view of x.
+
+    In a graph torch.compile traces for a GPU (:func:`compiled_for_gpu`), instead the custom op
+    ``flatten_mm::depthwise_conv`` (the same library kernels, each way; the
+    bias added outside it, where Inductor fuses it with what follows): the
+    Inductor of torch 2.11 lowers a depth-wise conv's backward with the map
+    and its gradient copied into the stride order of the weight's gradient,
+    which for a (C, 1, K, K) weight is neither channels-last nor NCHW, and
+    the gradient copied back: three extra passes over the map
+    (docs/benchmarks.md, "The compiled step")."""
+    if compiled_for_gpu(x):
+        return depthwise_conv_op(x, hw_shape, weight, bias)
+    return map_to_tokens(depthwise_conv(tokens_to_map(x, hw_shape), weight, bias))
+
+
+def depthwise_conv_op(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
+                      bias: Optional[Tensor]) -> Tensor:
+    """:func:`depthwise_conv_tokens` by the custom op, any device, cast as
+    autocast casts a conv's operands."""
+    x, weight = autocast_input(x), autocast_input(weight)
+    out = torch.ops.flatten_mm.depthwise_conv(x, weight, *hw_shape)
+    return out if bias is None else out + autocast_input(bias)
 
 
 def torch_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
                    bias: Optional[Tensor], inplace: bool = True) -> Tensor:
     """:func:`depthwise_conv_add` by PyTorch ops: the conv on a channels-last view
     of x, added to out's grid rows in place (or not)."""
-    local = map_to_tokens(depthwise_conv(tokens_to_map(x, hw_shape), weight, bias))
+    local = depthwise_conv_tokens(x, hw_shape, weight, bias)
     P = out.shape[1] - local.shape[1]
     if not inplace:
         return out + local if not P else torch.cat([out[:, :P], out[:, P:] + local], 1)

@@ -194,6 +194,18 @@ def focusing_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
     return F.softplus(scale.to(dtype)).view(-1)
 
 
+def register_op_pair(name: str, forward: tuple, backward: tuple, autograd: tuple) -> None:
+    """``flatten_mm::NAME`` and ``flatten_mm::NAME_backward`` as ``torch.library``
+    custom ops, each from its (implementation, fake implementation), the forward's
+    autograd formula from (backward function, setup_context): compilers and
+    export see one opaque op each way."""
+    fwd = torch.library.custom_op(f'flatten_mm::{name}', mutates_args=())(forward[0])
+    fwd.register_fake(forward[1])
+    bwd = torch.library.custom_op(f'flatten_mm::{name}_backward', mutates_args=())(backward[0])
+    bwd.register_fake(backward[1])
+    fwd.register_autograd(autograd[0], setup_context=autograd[1])
+
+
 def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                    num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The hand-written autograd function."""

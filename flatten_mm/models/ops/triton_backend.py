@@ -72,7 +72,7 @@ from torch import Tensor
 
 from ..utils import autocast_off
 from .dispatch import (_torch_backend, exact_fp32, focusing_scale, get_backend,
-                       register_backend)
+                       register_backend, register_op_pair)
 
 # registered when triton is installed; imported on the first call only, so
 # processes that never run it on CUDA (CPU training, tests under the
@@ -194,18 +194,6 @@ def _backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple:
         grad_out, q, k, v, s_inv, kv, km, stats_q, stats_k, ctx.focusing_factor, ctx.num_heads,
         key_mask)
     return tuple(grads) + (None, None, None)
-
-
-def register_op_pair(name: str, forward: tuple, backward: tuple, autograd: tuple) -> None:
-    """``flatten_mm::NAME`` and ``flatten_mm::NAME_backward`` as ``torch.library``
-    custom ops, each from its (implementation, fake implementation), the forward's
-    autograd formula from (backward function, setup_context): compilers and
-    export see one opaque op each way."""
-    fwd = torch.library.custom_op(f'flatten_mm::{name}', mutates_args=())(forward[0])
-    fwd.register_fake(forward[1])
-    bwd = torch.library.custom_op(f'flatten_mm::{name}_backward', mutates_args=())(backward[0])
-    bwd.register_fake(backward[1])
-    fwd.register_autograd(autograd[0], setup_context=autograd[1])
 
 
 def _register_ops() -> None:

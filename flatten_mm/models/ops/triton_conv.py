@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from .conv import torch_conv_add
-from .dispatch import register_backend
+from .dispatch import register_backend, register_op_pair
 from .triton_backend import (AVAILABLE, DTYPES, agrees_once, channel_rows, check_runnable,
-                             importable, lazy_module, register_op_pair, run_guarded, settled)
+                             importable, lazy_module, run_guarded, settled)
 
 _KERNELS = {}
 
