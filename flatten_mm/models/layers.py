@@ -12,7 +12,7 @@ from .utils import (HWShape, add_projections, check_heads, check_positive_int,
                     map_to_tokens, pad_to_multiple, param_cached, size_cached,
                     spatial_reduce, specialize_image_size, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
-from .ops.conv import compiled_for_gpu, depthwise_conv_op
+from .ops.conv import depthwise_conv_module
 
 ATTN_TYPES = ('L', 'S')
 
@@ -200,9 +200,7 @@ class DWConv(nn.Module):
         self.dwconv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:
-        if compiled_for_gpu(x):  # one op each way (see depthwise_conv_tokens)
-            return depthwise_conv_op(x, hw_shape, self.dwconv.weight, self.dwconv.bias)
-        return map_to_tokens(self.dwconv(tokens_to_map(x, hw_shape)))
+        return depthwise_conv_module(self.dwconv, x, hw_shape)
 
 
 class SpatialReductionAttention(nn.Module):

@@ -28,6 +28,7 @@ from ..utils import (HWShape, map_to_tokens, pad_to_multiple, size_cached, stage
                      tokens_to_map)
 from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_path_rates,
                       window_key_mask, window_merge, window_partition)
+from ..ops.conv import depthwise_conv_module
 from .base import Stage, StageOutput, SwinLikeBackbone
 
 
@@ -85,8 +86,7 @@ class LePEAttention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(Bw, n, C)
         # LePE: V of each stripe as a map; padded V is zero, as the conv's own padding
-        v_map = tokens_to_map(windows[..., 2 * C:], window)
-        out = out + map_to_tokens(self.get_v(v_map))
+        out = out + depthwise_conv_module(self.get_v, windows[..., 2 * C:], window)
         return window_merge(out, window, (H, W), layout)
 
 

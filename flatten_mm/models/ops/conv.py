@@ -6,7 +6,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from ..utils import autocast_input, map_to_tokens, tokens_to_map
@@ -134,6 +134,16 @@ def depthwise_conv_tokens(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
     if compiled_for_gpu(x):
         return depthwise_conv_op(x, hw_shape, weight, bias)
     return map_to_tokens(depthwise_conv(tokens_to_map(x, hw_shape), weight, bias))
+
+
+def depthwise_conv_module(conv: nn.Conv2d, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+    """``conv`` (a depth-wise ``nn.Conv2d`` with padding K // 2) of tokens x on
+    the ``hw_shape`` grid, as tokens: the module on a channels-last view of x,
+    or in a graph compiled for a GPU the custom op with its weights (see
+    :func:`depthwise_conv_tokens`)."""
+    if compiled_for_gpu(x):
+        return depthwise_conv_op(x, hw_shape, conv.weight, conv.bias)
+    return map_to_tokens(conv(tokens_to_map(x, hw_shape)))
 
 
 def depthwise_conv_op(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,

@@ -22,23 +22,27 @@ def outputs_and_grads(fn, tensors, g):
     return [out] + list(torch.autograd.grad(out, leaves, g.to(out.dtype)))
 
 
-@pytest.mark.parametrize('B,hw,C,K', [(2, (5, 7), 6, 3), (1, (4, 9), 8, 5)])
-def test_op_equals_the_conv(B, hw, C, K):
+@pytest.mark.parametrize('B,hw,C,K,sliced', [(2, (5, 7), 6, 3, False), (1, (4, 9), 8, 5, True)])
+def test_op_equals_the_conv(B, hw, C, K, sliced):
     """Output and the gradients of x, weight and bias, fp32, odd grids, K 3 and
-    5; the op's schema, fake and autograd registrations by torch's opcheck."""
+    5, x whole or a channel slice (CSwin's V in its q, k, v); the op's schema,
+    fake and autograd registrations by torch's opcheck."""
     torch.manual_seed(0)
-    x = torch.randn(B, hw[0] * hw[1], C, dtype=torch.float64)
+    L = hw[0] * hw[1]
+    base = torch.randn(B, L, 3 * C if sliced else C, dtype=torch.float64)
     weight, bias = torch.randn(C, 1, K, K, dtype=torch.float64), torch.randn(C, dtype=torch.float64)
-    g = torch.randn(B, hw[0] * hw[1], C, dtype=torch.float64)
-    want = outputs_and_grads(lambda *t: conv_of_tokens(t[0], hw, t[1], t[2]), (x, weight, bias), g)
-    inputs = [t.float() for t in (x, weight, bias)]
-    got = outputs_and_grads(lambda *t: depthwise_conv_op(t[0], hw, t[1], t[2]), inputs, g.float())
+    g = torch.randn(B, L, C, dtype=torch.float64)
+    want = outputs_and_grads(lambda *t: conv_of_tokens(t[0][..., -C:], hw, t[1], t[2]),
+                             (base, weight, bias), g)
+    got = outputs_and_grads(lambda *t: depthwise_conv_op(t[0][..., -C:], hw, t[1], t[2]),
+                            [t.float() for t in (base, weight, bias)], g.float())
     for name, a, b in zip(('out', 'x', 'weight', 'bias'), got, want):
         assert a.dtype == torch.float32 and a.shape == b.shape, name
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
     assert got[0].is_contiguous()
-    leaves = [t.clone().requires_grad_() for t in inputs[:2]]
-    torch.library.opcheck(torch.ops.flatten_mm.depthwise_conv.default, (*leaves, *hw))
+    x = base.float().requires_grad_()[..., -C:]
+    torch.library.opcheck(torch.ops.flatten_mm.depthwise_conv.default,
+                          (x, weight.float().requires_grad_(), *hw))
 
 
 def test_op_casts_as_autocast_casts_a_conv():
