@@ -63,3 +63,36 @@ def test_op_casts_as_autocast_casts_a_conv():
     for name, a, b in zip(('out', 'x', 'weight', 'bias'), got, want):
         # both sum the taps of bf16 operands; the bias is added in bf16 here
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 8e-3, name
+
+
+def test_op_in_a_graph_inductor_compiles(monkeypatch):
+    """PVTv2's MLP compiled by Inductor with the op forced (on CPU; it takes the
+    op only on GPUs): output and gradients equal eager, and the compiled code's
+    checks that the op's results have the strides its fake implementation
+    promised pass at run time."""
+    from flatten_mm.models.layers import Mlp
+    from flatten_mm.models.ops import conv
+    torch.manual_seed(0)
+    mlp = Mlp(16, 32, with_dwconv=True)
+    x = torch.randn(2, 5 * 7, 16)
+    params = list(mlp.parameters())
+
+    def run(fn):
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf, (5, 7))
+        return [out] + list(torch.autograd.grad(out.square().sum(), [leaf] + params))
+    want = run(mlp)
+    taken = []
+
+    def on_gpu(t):
+        taken.append(torch.compiler.is_compiling())
+        return torch.compiler.is_compiling()
+    monkeypatch.setattr(conv, 'compiled_for_gpu', on_gpu)
+    torch._dynamo.reset()
+    try:
+        got = run(torch.compile(mlp, fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    assert taken and all(taken)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
