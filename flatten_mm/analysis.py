@@ -194,19 +194,22 @@ def saved_tensor_bytes(fn: Callable[[], object],
 
     Unique storages of the tensors packed by autograd are summed once each
     (views of one tensor count once); storages of ``exclude`` (inputs and
-    parameters) are left out.
+    parameters) are left out. Storages are told apart as torch's own aliasing
+    checks do (``StorageWeakRef``), not by address: fake tensors (no memory,
+    as ``tools/analysis_tools/trace_cuda.py`` runs models) all have address 0.
 
     Returns:
         tuple: ``fn()``'s result and the byte count.
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: Dict[int, int] = {}
+    from torch.multiprocessing.reductions import StorageWeakRef
+    skip = {StorageWeakRef(t.untyped_storage()) for t in exclude}
+    seen: Dict[StorageWeakRef, int] = {}
 
     def pack(t: Tensor) -> Tensor:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in skip:
-            seen[ptr] = storage.nbytes()
+        key = StorageWeakRef(storage)
+        if key not in skip:
+            seen[key] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -95,3 +95,30 @@ def test_saved_bytes_count_storages_once_and_skip_excluded():
     assert nbytes == 400
     _, with_w = saved_tensor_bytes(fn, [x])
     assert with_w == 800
+
+
+def test_saved_bytes_of_fake_tensors_equal_real_ones(monkeypatch):
+    """Fake tensors (no memory, address 0: how trace_cuda.py counts a GPU
+    step's activations) give the count real ones give, for a FLatten layer's
+    second training step (the first fills its caches, as the tool's), with
+    fake weights and the tensor caches kept under the fake mode, as the tool
+    has them."""
+    import copy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from flatten_mm.models import utils
+    monkeypatch.setattr(utils, '_under_tensor_mode', lambda: False)
+    torch.manual_seed(0)
+    layer = FocusedLinearAttention(32, 2, sr_ratio=2, pos_grid=(6, 10)).train()
+    other = copy.deepcopy(layer)
+    x = torch.randn(2, 60, 32, requires_grad=True)
+    for _ in range(2):
+        _, real = saved_tensor_bytes(lambda: layer(x, (6, 10)), [x, *layer.parameters()])
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_x = mode.from_tensor(x)
+        for module in other.modules():  # fake weights, as the tool's
+            for name, p in list(module._parameters.items()):
+                module._parameters[name] = torch.nn.Parameter(mode.from_tensor(p.detach()))
+        for _ in range(2):
+            _, fake = saved_tensor_bytes(lambda: other(fake_x, (6, 10)),
+                                         [fake_x, *other.parameters()])
+    assert real > 60 * 32 * 4 and fake == real

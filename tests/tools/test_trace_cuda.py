@@ -90,7 +90,8 @@ def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
     every family's training step reads and writes fewer than its softmax
     form's (measured 0.34×, 0.37×, 0.66×, 0.92×, bounds about 5% above; the
     core on PyTorch ops, in fp32 as before its Triton path, would exceed them
-    all). Fake tensors cost the same at any size."""
+    all), and keeps fewer bytes for the backward. Fake tensors cost the same at
+    any size."""
     tool = load_tool()
     pairs = [('flatten-pvt-t', 'pvt-t'), ('flatten-pvtv2-b1', 'pvtv2-b1'),
              ('flatten-swin-t', 'swin-t'), ('flatten-cswin-t', 'cswin-t')]
@@ -123,6 +124,12 @@ def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
               'flatten-cswin-t': 0.965}
     assert all(ratios[m] < bound for m, bound in bounds.items()), ratios
     assert ops['flatten-swin-t']['bytes'] == sum(ops['flatten-swin-t']['op_bytes'].values())
+    # the activations kept for backward (measured 0.36x, 0.42x, 0.86x, 0.98x)
+    saved = {ours: steps[ours]['saved_bytes'] / steps[theirs]['saved_bytes']
+             for ours, theirs in pairs}
+    bounds = {'flatten-pvt-t': 0.37, 'flatten-pvtv2-b1': 0.43, 'flatten-swin-t': 0.88,
+              'flatten-cswin-t': 1.0}
+    assert all(saved[m] < bound for m, bound in bounds.items()), saved
 
 
 def test_run_backward_gives_the_engines_gradients():
@@ -264,6 +271,20 @@ def test_compiled_depthwise_conv_backward_copies_no_map():
     # fc2 (4), GELU recomputed and its gradient (5), the conv's backward (3),
     # the bias's sum (1), less what is smaller than the map
     assert backward['bytes'] < 13 * hidden, backward['bytes'] / hidden
+
+
+def test_attention_layer_keeps_a_quarter_of_the_references_bytes():
+    """``--core-cases``: one layer at the stage-1 and stage-2 shapes of
+    800x1333, batch 16, bf16 (the issue's core target: at most 0.25x of the
+    reference's bytes kept for backward; measured 0.241x and 0.238x). What the
+    Triton path keeps is q, k, v and the output projection's input (bf16, one
+    map each) and fp32 row statistics and states: at least four maps."""
+    tool = load_tool()
+    rows = tool.main(['--core-cases', '200x334x96x3', '100x167x192x6', '--dtypes', 'bf16',
+                      '--batch', '16'])
+    for row, (n, c) in zip(rows, [(200 * 334, 96), (100 * 167, 192)]):
+        assert row['saved_ratio'] <= 0.25, row
+        assert 4 * 16 * n * c * 2 <= row['triton_saved_bytes'] <= 4.3 * 16 * n * c * 2, row
 
 
 def test_python_grad_is_autograd_grad():

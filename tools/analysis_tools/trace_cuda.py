@@ -37,6 +37,7 @@ graph once the fused conv's kernels were imported.
 """
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -54,6 +55,7 @@ from benchmark_backbone import (build_model, check_model_names, parse_size,  # n
                                 training_loss)
 from check_compile import DTYPES  # noqa: E402
 
+from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
 from flatten_mm.models.ops import available_backends, use_backend  # noqa: E402
 
 
@@ -276,7 +278,9 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
                    release_dir: Optional[str] = None) -> dict:
     """Ops of the second eager training step of one model on fake CUDA tensors
     (``profile_backbone.tally_ops``: calls, bytes, FLOPs), its forward and the
-    backward of its loss (``benchmark_backbone.training_loss``, as that tool's
+    backward of its loss, and the bytes its forward keeps for the backward
+    (``flatten_mm.analysis.saved_tensor_bytes``: activations and autocast's
+    half copies of weights, not the weights or the input) (``benchmark_backbone.training_loss``, as that tool's
     step; :func:`run_backward`). The core runs on
     ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
     the GPU's fused kernel (:func:`fused_sdpa`). For the count only (the model
@@ -296,9 +300,11 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
         losses = []
-        forward = tally_ops(lambda: losses.append(training_loss(model(x))))
-        backward = tally_ops(lambda: run_backward(losses[0]))
+        forward = tally_ops(lambda: losses.append(saved_tensor_bytes(
+            lambda: training_loss(model(x)), [x, *model.parameters()])))
+        backward = tally_ops(lambda: run_backward(losses[0][0]))
     row = step_row(name, size, dtype, batch, backend)
+    row['saved_bytes'] = losses[0][1]  # kept for backward: the activation memory
     for part, tally in (('forward', forward), ('backward', backward)):
         row[part] = dict(op_calls=tally.calls, op_bytes=tally.bytes, ops=sum(tally.calls.values()),
                          bytes=sum(tally.bytes.values()), flops=sum(tally.flops.values()))
@@ -350,6 +356,30 @@ def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
             sizes[label] += size_
         row[part] = dict(op_calls=dict(labels), op_bytes=dict(sizes),
                          ops=len(graph['kernels']), bytes=graph['bytes'])  # no FLOP count
+    return row
+
+
+def core_saved(case: str, dtype: str, batch: int) -> dict:
+    """Bytes one :class:`FocusedLinearAttention` layer (case ``HxWxCxHEADS``;
+    module and input in ``dtype``, as ``benchmark_attention.py --dtype``) keeps
+    for backward on fake CUDA tensors: with the Triton ops (the ``'triton'``
+    backend, as a GPU runs it) and with the reference formula
+    (``flatten_mm.analysis.reference_forward``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from benchmark_attention import parse_case
+    from flatten_mm import FocusedLinearAttention
+    from flatten_mm.analysis import reference_forward
+    H, W, C, heads = parse_case(case)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    layer = FocusedLinearAttention(C, heads, pos_grid=(H, W)).to(DTYPES[dtype]).train()
+    layer = to_fake_cuda(layer, fake_mode)
+    row = dict(case=case, dtype=dtype, batch=batch, status='ok')
+    with on_fake_gpu(fake_mode, 'triton'):
+        x = torch.randn(batch, H * W, C, device='cuda', dtype=DTYPES[dtype], requires_grad=True)
+        for name, fn in (('triton', lambda: layer(x, (H, W))),
+                         ('reference', lambda: reference_forward(layer, x, (H, W)))):
+            row[f'{name}_saved_bytes'] = saved_tensor_bytes(fn, [x, *layer.parameters()])[1]
+    row['saved_ratio'] = row['triton_saved_bytes'] / row['reference_saved_bytes']
     return row
 
 
@@ -405,9 +435,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Triton ops, as on a GPU)")
     parser.add_argument('--release-dir', help="with --count-ops: a checkout of the authors' "
                         'FLatten-Transformer, for release:NAME models')
+    parser.add_argument('--core-cases', nargs='+', default=[],
+                        help='instead: the bytes one attention layer keeps for backward '
+                        '(HxWxCxHEADS cases at --batch, module and input in --dtypes) with '
+                        'the Triton ops and with the reference formula')
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
+    if args.core_cases and (args.count_ops or args.compile_sizes):
+        parser.error('--core-cases counts layers instead of models: not with --count-ops '
+                     'or --compile-sizes')
     if args.compiled and (not args.count_ops or args.release_dir or args.backend != 'auto'):
         parser.error('--compiled goes with --count-ops, and without --release-dir or '
                      "--backend (the core takes the Triton ops, as compiled on a GPU)")
@@ -430,7 +467,13 @@ def summary(row: dict) -> str:
                 f"{row['backend']} core, training step: forward {fwd['ops']} ops, "
                 f"{fwd['bytes'] / 1e9:.2f} GB read and written, {fwd['flops'] / 1e9:.0f} GFLOP; "
                 f"backward {bwd['ops']} ops, {bwd['bytes'] / 1e9:.2f} GB, "
-                f"{bwd['flops'] / 1e9:.0f} GFLOP")
+                f"{bwd['flops'] / 1e9:.0f} GFLOP; saved for backward "
+                f"{row['saved_bytes'] / 1e9:.2f} GB")
+    if 'saved_ratio' in row:
+        return (f"attention layer {row['case']} {row['dtype']} batch {row['batch']}: kept for "
+                f"backward {row['triton_saved_bytes'] / 2 ** 20:.0f} MiB with the Triton ops, "
+                f"{row['reference_saved_bytes'] / 2 ** 20:.0f} MiB with the reference "
+                f"formula ({row['saved_ratio']:.3f}x)")
     if 'sizes' in row:
         return (f"{row['model']} compiled at {' '.join(row['sizes'])} and the first again, "
                 f"{row['dtype']}: {row.get('graphs')} graphs, {row['status']} "
@@ -439,26 +482,36 @@ def summary(row: dict) -> str:
             f"{row.get('ops') or row.get('error')}, attention in {row.get('attention_dtypes')}")
 
 
-def main(argv=None) -> list:
-    args = parse_args(argv)
-    rows = []
+def checks_to_run(args: argparse.Namespace) -> list:
+    """The calls, each giving one row, that ``args`` ask for."""
+    if args.core_cases:
+        return [functools.partial(core_saved, case, dtype, args.batch)
+                for case in args.core_cases for dtype in args.dtypes]
+    checks = []
     # the authors' models last: importing their code registers its model names
     # with timm again, over ours
     for name in sorted(args.models, key=lambda name: name.startswith('release:')):
         for dtype in args.dtypes:
+            step = (name, args.size, dtype, args.batch)
             if args.count_ops and args.compiled:
-                checks = [lambda: count_compiled_step(name, args.size, dtype, args.batch)]
+                checks.append(functools.partial(count_compiled_step, *step))
             elif args.count_ops:  # instead of the traces: softmax models count too
-                checks = [lambda: count_step_ops(name, args.size, dtype, args.batch,
-                                                 args.backend, args.release_dir)]
+                checks.append(functools.partial(count_step_ops, *step, args.backend,
+                                                args.release_dir))
             else:
-                checks = [lambda: trace(name, args.size, dtype, args.batch)]
+                checks.append(functools.partial(trace, *step))
                 if args.compile_sizes:
-                    checks.append(lambda: count_graphs(name, args.compile_sizes, dtype,
-                                                       args.batch))
-            for check in checks:
-                rows.append(check())
-                print(summary(rows[-1]), flush=True)
+                    checks.append(functools.partial(count_graphs, name, args.compile_sizes,
+                                                    dtype, args.batch))
+    return checks
+
+
+def main(argv=None) -> list:
+    args = parse_args(argv)
+    rows = []
+    for check in checks_to_run(args):
+        rows.append(check())
+        print(summary(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     if any(r['status'] != 'ok' for r in rows):
