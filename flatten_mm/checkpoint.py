@@ -231,34 +231,41 @@ def extract_state_dict(checkpoint, prefix: Optional[str] = None) -> Dict[str, to
     With ``prefix`` (mmengine's ``Pretrained`` option, e.g. ``'backbone'``; its
     dot added as mmengine adds it) only the keys under it, stripped of it, with
     or without ``module.`` before it; without, of a whole detector or segmenter
-    (keys ``backbone.*``, ``neck.*``, ...) only the backbone."""
+    (keys ``backbone.*``, ``neck.*``, ...) only the backbone. Weights held as
+    another library's arrays raise an error naming them; other entries that
+    are not tensors (an epoch, a score) are left out."""
     sd = unwrap_state_dict(checkpoint)
     if not isinstance(sd, dict):
         raise ValueError(f'checkpoint holds no state dict ({_describe(checkpoint)})')
-    arrays = [f'{k!r} ({type(v).__module__}.{type(v).__name__})' for k, v in sd.items()
+    entries = _select(sd, prefix)
+    arrays = [f'{k!r} ({type(v).__module__}.{type(v).__name__})' for k, v in entries.items()
               if getattr(v, 'ndim', 0) and not isinstance(v, torch.Tensor)]
-    if arrays:  # weights saved as another library's arrays are not skipped silently
-        # (scalars are metadata: an epoch, a best score)
+    if arrays:  # never skipped silently (then reported as missing)
         raise ValueError(f'checkpoint entries are arrays but not torch tensors: '
                          f'{", ".join(arrays[:4])}{" ..." if len(arrays) > 4 else ""}; '
                          'convert them (torch.from_numpy) and save again')
-    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}  # not metadata
-    unwrapped = {_strip(k, 'module.'): v for k, v in tensors.items()}  # DDP's wrapper
-    if prefix:
-        prefix = prefix if prefix.endswith('.') else prefix + '.'
-        for keys in (tensors, unwrapped):
-            picked = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
-            if picked:
-                return picked
-        raise ValueError(f'checkpoint holds no tensors under the prefix {prefix!r} '
-                         f'(first keys: {list(sd)[:4]})')
-    tensors = unwrapped
-    if any(k.startswith('backbone.') for k in tensors):  # of a whole detector or segmenter
-        tensors = {k[len('backbone.'):]: v for k, v in tensors.items()
-                   if k.startswith('backbone.')}
+    tensors = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
     if not tensors:
         raise ValueError(f'checkpoint holds no tensors ({_describe(checkpoint)})')
     return tensors
+
+
+def _select(sd: dict, prefix: Optional[str]) -> dict:
+    """The entries of state dict ``sd`` that :func:`extract_state_dict` takes,
+    renamed (prefix, DDP's ``module.``, a whole model's ``backbone.`` removed)."""
+    unwrapped = {_strip(k, 'module.'): v for k, v in sd.items()}  # DDP's wrapper
+    if prefix:
+        prefix = prefix if prefix.endswith('.') else prefix + '.'
+        for keys in (sd, unwrapped):
+            picked = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
+            if any(isinstance(v, torch.Tensor) for v in picked.values()):
+                return picked
+        raise ValueError(f'checkpoint holds no tensors under the prefix {prefix!r} '
+                         f'(first keys: {list(sd)[:4]})')
+    if any(k.startswith('backbone.') and isinstance(v, torch.Tensor)
+           for k, v in unwrapped.items()):  # of a whole detector or segmenter
+        return {k[len('backbone.'):]: v for k, v in unwrapped.items() if k.startswith('backbone.')}
+    return unwrapped
 
 
 def _matches(key: str, patterns: Iterable[str]) -> bool:

@@ -204,24 +204,31 @@ def checkpoint_filter_fn(state_dict: dict, model: nn.Module, strict: bool = True
     nested, rename an mmpretrain classifier's checkpoint (``backbone.*``,
     ``head.fc.*``) to ours, and drop the head when the class count differs.
     The release's own layout is converted when the model loads it
-    (:func:`convert_on_load`). For another class count timm loads
-    non-strictly; with ``strict`` (timm's ``pretrained_strict``, bound by
-    the model functions) the rest must then fit as in a strict load, so
-    that weights of another size of the family do not load in part."""
+    (:func:`convert_on_load`). timm loads non-strictly when the class count
+    differs and with ``features_only``; with ``strict`` (timm's
+    ``pretrained_strict``, bound by the model functions) all but the head
+    must fit as in a strict load, so weights of another size of the family
+    never load in part."""
     sd = classifier_state_dict(state_dict, model)
-    if not other_class_count(sd, model):
-        return sd
-    sd = without_head(sd)
+    if other_class_count(sd, model):
+        sd = without_head(sd)
     if strict:
-        own = {k for k in model.state_dict() if not k.startswith('head.')}
-        held = set(model.convert_official(dict(sd)))
-        missing, unexpected = sorted(own - held), sorted(held - own)
-        if missing or unexpected:
-            raise RuntimeError(f'the checkpoint does not fit {type(model).__name__}: missing '
-                               f'{missing[:8] or "none"}, unexpected {unexpected[:8] or "none"}'
-                               f' ({len(missing)} and {len(unexpected)} keys; '
-                               'pretrained_strict=False loads what fits)')
+        check_body_keys(sd, model)
     return sd
+
+
+def check_body_keys(state_dict: StateDict, model: nn.Module) -> None:
+    """Raise unless ``state_dict`` (in the release's names or ours) holds
+    exactly ``model``'s weights, the classifier's ``head.*`` aside."""
+    def body(keys):
+        return {k for k in keys if not k.startswith('head.')}
+    own, held = body(model.state_dict()), body(model.convert_official(dict(state_dict)))
+    missing, unexpected = sorted(own - held), sorted(held - own)
+    if missing or unexpected:
+        raise RuntimeError(f'the checkpoint does not fit {type(model).__name__}: missing '
+                           f'{missing[:8] or "none"}, unexpected {unexpected[:8] or "none"} '
+                           f'({len(missing)} and {len(unexpected)} keys; '
+                           'pretrained_strict=False loads what fits)')
 
 
 def classifier_state_dict(state_dict: dict, model: nn.Module) -> StateDict:

@@ -63,6 +63,9 @@ def test_prefixes_and_nesting_are_handled():
     with pytest.raises(ValueError, match=r"entries are arrays but not torch tensors: 'b' "
                                          r"\(numpy.ndarray\); convert them"):
         extract_state_dict({'model': {'a': torch.ones(1), 'b': np.ones(2)}})
+    # ... among the entries taken only: not another part of a whole model's
+    assert list(extract_state_dict({'backbone.a': torch.ones(1), 'head.b': np.ones(2)})) == ['a']
+    assert list(extract_state_dict({'t.a': torch.ones(1), 's.a': np.ones(2)}, 't')) == ['a']
     # mmengine's Pretrained prefix, with its dot or without, under DDP's wrapper or not
     wrapped = {'state_dict': {'module.teacher.a': torch.ones(1),
                               'module.student.a': torch.zeros(1)}}

@@ -209,17 +209,39 @@ def test_new_class_count_drops_the_head(tmp_path):
 
 
 def test_new_class_count_still_refuses_another_size(tmp_path):
-    """For another class count timm loads non-strictly; the filter keeps the
-    rest strict unless the user asks otherwise (``pretrained_strict=False``)."""
+    """For another class count, and with ``features_only``, timm loads
+    non-strictly; the filter keeps all but the head strict unless the user
+    asks otherwise (``pretrained_strict=False``)."""
     path = str(tmp_path / 'pvt_small.pth')
     source = write_official_checkpoint(path, 'flatten_pvt_small')  # depths 3-4-6-3, not 2-2-2-2
-    with pytest.raises(RuntimeError, match=r"does not fit FLattenPVTClassifier: missing none, "
-                                           r"unexpected \['block1.2.attn"):
-        timm.create_model('flatten_pvt_tiny', pretrained=True, num_classes=10,
-                          pretrained_cfg_overlay=dict(file=path))
+    for kwargs in (dict(num_classes=10), dict(features_only=True)):
+        with pytest.raises(RuntimeError, match=r"does not fit FLattenPVTClassifier: missing "
+                                               r"none, unexpected \['block1.2.attn"):
+            timm.create_model('flatten_pvt_tiny', pretrained=True, **kwargs,
+                              pretrained_cfg_overlay=dict(file=path))
     model = timm.create_model('flatten_pvt_tiny', pretrained=True, num_classes=10,
                               pretrained_cfg_overlay=dict(file=path), pretrained_strict=False)
     torch.testing.assert_close(model.block4[1].mlp.fc2.weight, source.block4[1].mlp.fc2.weight)
+
+
+@pytest.mark.parametrize('name', ['flatten_swin_tiny', 'flatten_cswin_tiny'])
+def test_new_class_count_and_features_load_release_files(name, tmp_path):
+    """The strict filter passes the release's own files: another class count,
+    ``features_only``, and an mmpretrain classifier's checkpoint of the same
+    weights."""
+    from flatten_mm.conversion import to_mmpretrain
+    path, mmpretrain = str(tmp_path / 'release.pth'), str(tmp_path / 'mmpretrain.pth')
+    source = write_official_checkpoint(path, name)
+    torch.save({'state_dict': to_mmpretrain(source)}, mmpretrain)
+    first = next(k for k in source.state_dict() if k.endswith('weight') and 'head' not in k)
+    for file, kwargs in ((path, dict(num_classes=10)), (path, dict(features_only=True)),
+                         (mmpretrain, dict(num_classes=10))):
+        model = timm.create_model(name, pretrained=True, **kwargs,
+                                  pretrained_cfg_overlay=dict(file=file))
+        own = next(v for k, v in model.state_dict().items() if k.endswith(first))
+        torch.testing.assert_close(own, source.state_dict()[first])
+        if 'features_only' not in kwargs:
+            assert model.head.out_features == 10
 
 
 @pytest.mark.parametrize('name,dense_cls,kwargs', [

@@ -241,7 +241,7 @@ def test_compiled_step_counts_inductors_kernels_for_a_gpu():
 def test_compiled_depthwise_conv_backward_copies_no_map():
     """PVTv2's MLP (fc1, 3x3 depth-wise conv, GELU, fc2) compiled for an sm_90
     GPU, bf16: the conv is one op each way, and its backward makes no copy of
-    the hidden map. With the plain conv, Inductor (torch 2.11) copied the map
+    the hidden map. With the plain conv, Inductor (torch 2.14) copied the map
     and its gradient into the stride order of the (C, 1, 3, 3) weight's
     gradient and the gradient back: the backward then moved 9.1 GB at the
     stage-1 shape below (8 images of 200 x 334 tokens), now 6.9 GB."""

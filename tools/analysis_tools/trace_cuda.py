@@ -278,10 +278,10 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
                    release_dir: Optional[str] = None) -> dict:
     """Ops of the second eager training step of one model on fake CUDA tensors
     (``profile_backbone.tally_ops``: calls, bytes, FLOPs), its forward and the
-    backward of its loss, and the bytes its forward keeps for the backward
-    (``flatten_mm.analysis.saved_tensor_bytes``: activations and autocast's
-    half copies of weights, not the weights or the input) (``benchmark_backbone.training_loss``, as that tool's
-    step; :func:`run_backward`). The core runs on
+    backward of its loss (``benchmark_backbone.training_loss``, as that tool's
+    step; :func:`run_backward`), and the bytes the forward keeps for the
+    backward (``flatten_mm.analysis.saved_tensor_bytes``: activations and
+    autocast's half copies of weights, not the weights or the input). The core runs on
     ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
     the GPU's fused kernel (:func:`fused_sdpa`). For the count only (the model
     is dropped after it, the Triton backends' state restored): the tensor
@@ -442,9 +442,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--out', help='write the rows here as JSON')
     args = parser.parse_args(argv)
     check_model_names(parser, args.models)
-    if args.core_cases and (args.count_ops or args.compile_sizes):
-        parser.error('--core-cases counts layers instead of models: not with --count-ops '
-                     'or --compile-sizes')
+    model_options = ('models', 'size', 'compile_sizes', 'count_ops', 'backend', 'release_dir')
+    if args.core_cases and any(getattr(args, name) != parser.get_default(name)
+                               for name in model_options):
+        parser.error('--core-cases counts layers instead of models: it takes --dtypes, '
+                     '--batch and --out only')
     if args.compiled and (not args.count_ops or args.release_dir or args.backend != 'auto'):
         parser.error('--compiled goes with --count-ops, and without --release-dir or '
                      "--backend (the core takes the Triton ops, as compiled on a GPU)")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from ..utils import autocast_input, map_to_tokens, tokens_to_map
+from ..utils import autocast_input, is_exporting, map_to_tokens, tokens_to_map
 from .dispatch import backend_of, register_backend, register_op_pair
 
 
@@ -80,20 +80,22 @@ def _tokens_conv_fake(x: Tensor, weight: Tensor, H: int, W: int) -> Tensor:
     return x.new_empty(x.shape)
 
 
-def _tokens_conv_backward_impl(grad: Tensor, x: Tensor, weight: Tensor, H: int, W: int
-                               ) -> Tuple[Tensor, Tensor]:
-    """Gradients for x and the weight: the library's conv backward on
-    channels-last views, as in eager mode."""
+def _tokens_conv_backward_impl(grad: Tensor, x: Tensor, weight: Tensor, H: int, W: int,
+                               need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor]:
+    """Gradients for x and the weight (an empty tensor for one not needed):
+    the library's conv backward on channels-last views, as in eager mode."""
     pad = weight.shape[-1] // 2
     grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
         tokens_to_map(grad, (H, W)), tokens_to_map(x, (H, W)), weight, None, [1, 1], [pad, pad],
-        [1, 1], False, [0, 0], x.shape[-1], [True, True, False])
-    return map_to_tokens(grad_x).contiguous(), grad_w.contiguous()
+        [1, 1], False, [0, 0], x.shape[-1], [need_x, need_w, False])
+    return (map_to_tokens(grad_x).contiguous() if need_x else x.new_empty(0),
+            grad_w.contiguous() if need_w else weight.new_empty(0))
 
 
-def _tokens_conv_backward_fake(grad: Tensor, x: Tensor, weight: Tensor, H: int, W: int
-                               ) -> Tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+def _tokens_conv_backward_fake(grad: Tensor, x: Tensor, weight: Tensor, H: int, W: int,
+                               need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor]:
+    return (x.new_empty(x.shape if need_x else 0),
+            weight.new_empty(weight.shape if need_w else 0))
 
 
 def _tokens_conv_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -104,8 +106,10 @@ def _tokens_conv_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
 
 def _tokens_conv_backward(ctx: Any, grad: Tensor) -> tuple:
     x, weight = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.flatten_mm.depthwise_conv_backward(grad, x, weight, *ctx.hw_shape)
-    return grad_x, grad_w, None, None
+    need_x, need_w = ctx.needs_input_grad[:2]
+    grad_x, grad_w = torch.ops.flatten_mm.depthwise_conv_backward(
+        grad, x, weight, *ctx.hw_shape, need_x, need_w)
+    return grad_x if need_x else None, grad_w if need_w else None, None, None
 
 
 register_op_pair('depthwise_conv', (_tokens_conv_impl, _tokens_conv_fake),
@@ -114,8 +118,9 @@ register_op_pair('depthwise_conv', (_tokens_conv_impl, _tokens_conv_fake),
 
 
 def compiled_for_gpu(x: Tensor) -> bool:
-    """Whether x is in a graph torch.compile traces for a GPU (not a CPU)."""
-    return torch.compiler.is_compiling() and x.device.type != 'cpu'
+    """Whether x is in a graph torch.compile traces for a GPU (not a CPU); not
+    under torch.export, whose graphs keep the plain conv for other consumers."""
+    return torch.compiler.is_compiling() and not is_exporting() and x.device.type != 'cpu'
 
 
 def depthwise_conv_tokens(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
@@ -126,11 +131,12 @@ def depthwise_conv_tokens(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
     In a graph torch.compile traces for a GPU (:func:`compiled_for_gpu`), instead the custom op
     ``flatten_mm::depthwise_conv`` (the same library kernels, each way; the
     bias added outside it, where Inductor fuses it with what follows): the
-    Inductor of torch 2.11 lowers a depth-wise conv's backward with the map
+    Inductor of torch 2.14 lowers a depth-wise conv's backward with the map
     and its gradient copied into the stride order of the weight's gradient,
     which for a (C, 1, K, K) weight is neither channels-last nor NCHW, and
-    the gradient copied back: three extra passes over the map
-    (docs/benchmarks.md, "The compiled step")."""
+    the gradient copied back: three extra passes over the map (torch 2.11
+    kept the conv's own strides: there the op moves the same bytes;
+    docs/benchmarks.md, "The compiled step")."""
     if compiled_for_gpu(x):
         return depthwise_conv_op(x, hw_shape, weight, bias)
     return map_to_tokens(depthwise_conv(tokens_to_map(x, hw_shape), weight, bias))
@@ -140,10 +146,22 @@ def depthwise_conv_module(conv: nn.Conv2d, x: Tensor, hw_shape: Tuple[int, int])
     """``conv`` (a depth-wise ``nn.Conv2d`` with padding K // 2) of tokens x on
     the ``hw_shape`` grid, as tokens: the module on a channels-last view of x,
     or in a graph compiled for a GPU the custom op with its weights (see
-    :func:`depthwise_conv_tokens`)."""
-    if compiled_for_gpu(x):
+    :func:`depthwise_conv_tokens`) if the module is a plain one: not a
+    subclass (fake-quantised, adapted), no hooks, the op's own conv."""
+    if compiled_for_gpu(x) and is_plain_depthwise(conv):
         return depthwise_conv_op(x, hw_shape, conv.weight, conv.bias)
     return map_to_tokens(conv(tokens_to_map(x, hw_shape)))
+
+
+def is_plain_depthwise(conv: nn.Module) -> bool:
+    """Whether ``conv`` is an ``nn.Conv2d`` without hooks computing what the op
+    computes: depth-wise, a square odd kernel, stride 1, zero padding K // 2."""
+    if type(conv) is not nn.Conv2d or conv._forward_hooks or conv._forward_pre_hooks:
+        return False
+    k = conv.kernel_size[0]
+    return (conv.groups == conv.in_channels == conv.out_channels and conv.kernel_size == (k, k)
+            and k % 2 == 1 and conv.padding == (k // 2, k // 2) and conv.stride == (1, 1)
+            and conv.dilation == (1, 1) and conv.padding_mode == 'zeros')
 
 
 def depthwise_conv_op(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,

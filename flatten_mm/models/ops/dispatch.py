@@ -198,7 +198,9 @@ def register_op_pair(name: str, forward: tuple, backward: tuple, autograd: tuple
     """``flatten_mm::NAME`` and ``flatten_mm::NAME_backward`` as ``torch.library``
     custom ops, each from its (implementation, fake implementation), the forward's
     autograd formula from (backward function, setup_context): compilers and
-    export see one opaque op each way."""
+    export see one opaque op each way. An op whose signature changes needs a
+    new name: Inductor's on-disk caches of compiled graphs do not key on the
+    schemas of the custom ops they call."""
     fwd = torch.library.custom_op(f'flatten_mm::{name}', mutates_args=())(forward[0])
     fwd.register_fake(forward[1])
     bwd = torch.library.custom_op(f'flatten_mm::{name}_backward', mutates_args=())(backward[0])

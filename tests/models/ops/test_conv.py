@@ -3,23 +3,9 @@
 plain conv, and what it spares Inductor's backward."""
 import pytest
 import torch
-import torch.nn.functional as F
 
+from conv_checks import conv_of_tokens, outputs_and_grads
 from flatten_mm.models.ops.conv import depthwise_conv_op, depthwise_conv_tokens
-
-
-def conv_of_tokens(x, hw, weight, bias):
-    """The formula: the conv on an NCHW copy of the tokens."""
-    B, L, C = x.shape
-    x_map = x.transpose(1, 2).reshape(B, C, *hw)
-    local = F.conv2d(x_map, weight, bias, padding=weight.shape[-1] // 2, groups=C)
-    return local.flatten(2).transpose(1, 2)
-
-
-def outputs_and_grads(fn, tensors, g):
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    out = fn(*leaves)
-    return [out] + list(torch.autograd.grad(out, leaves, g.to(out.dtype)))
 
 
 @pytest.mark.parametrize('B,hw,C,K,sliced', [(2, (5, 7), 6, 3, False), (1, (4, 9), 8, 5, True)])
@@ -89,10 +75,55 @@ def test_op_in_a_graph_inductor_compiles(monkeypatch):
         return torch.compiler.is_compiling()
     monkeypatch.setattr(conv, 'compiled_for_gpu', on_gpu)
     torch._dynamo.reset()
-    try:
-        got = run(torch.compile(mlp, fullgraph=True))
+    try:  # compiled afresh: the caches' keys do not hold the op's schema
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            got = run(torch.compile(mlp, fullgraph=True))
     finally:
         torch._dynamo.reset()
     assert taken and all(taken)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_weight_takes_no_weight_gradient():
+    """The backward op computes only the gradients autograd asks for."""
+    torch.manual_seed(0)
+    hw, C = (4, 6), 8
+    x = torch.randn(2, 24, C, requires_grad=True)
+    weight, bias = torch.randn(C, 1, 3, 3), torch.randn(C)
+    g = torch.randn(2, 24, C)
+    got, = torch.autograd.grad(depthwise_conv_op(x, hw, weight, bias), x, g)
+    want, = torch.autograd.grad(conv_of_tokens(x, hw, weight, bias), x, g)
+    torch.testing.assert_close(got, want)
+    grad_x, grad_w = torch.ops.flatten_mm.depthwise_conv_backward(g, x, weight, *hw, True, False)
+    assert grad_w.numel() == 0 and grad_x.shape == x.shape
+
+
+def test_op_only_where_a_compiled_gpu_graph_takes_it(monkeypatch):
+    """Taken in graphs compiled for a GPU (a non-CPU tensor; here 'meta'), not
+    under torch.export nor on CPUs; and only for a plain depth-wise conv: the
+    modules of PVTv2's MLP and CSWin's LePE are, a subclass or a hooked module
+    is not (the module then runs itself)."""
+    from torch import nn
+    from flatten_mm.models.backbones.flatten_cswin import LePEAttention
+    from flatten_mm.models.layers import Mlp
+    from flatten_mm.models.ops import conv
+    on_gpu, on_cpu = torch.empty(1, device='meta'), torch.empty(1)
+    assert not conv.compiled_for_gpu(on_gpu)
+    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+    assert conv.compiled_for_gpu(on_gpu) and not conv.compiled_for_gpu(on_cpu)
+    monkeypatch.setattr(conv, 'is_exporting', lambda: True)
+    assert not conv.compiled_for_gpu(on_gpu)
+    assert conv.is_plain_depthwise(Mlp(8, 16, with_dwconv=True).dwconv.dwconv)
+    assert conv.is_plain_depthwise(LePEAttention(8, 2, 1).get_v)
+
+    class Quantised(nn.Conv2d):
+        pass
+    hooked = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+    hooked.register_forward_hook(lambda *args: None)
+    for other in (Quantised(8, 8, 3, padding=1, groups=8), hooked,
+                  nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=0, groups=8),
+                  nn.Conv2d(8, 8, 3, padding=1, groups=8, stride=2),
+                  nn.Conv2d(8, 8, (3, 5), padding=(1, 2), groups=8)):
+        assert not conv.is_plain_depthwise(other), other

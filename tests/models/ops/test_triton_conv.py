@@ -13,8 +13,8 @@ and bias gradients are fp32 sums whatever the inputs: 1e-5.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
+from conv_checks import conv_of_tokens, outputs_and_grads
 from flatten_mm.models import FocusedLinearAttention
 from flatten_mm.models.ops import depthwise_conv_add, use_backend
 from flatten_mm.models.ops import triton_backend as tb
@@ -30,16 +30,7 @@ NAMES = ('result', 'out', 'x', 'weight', 'bias')
 
 def reference(out, x, hw, weight, bias):
     """The formula: NCHW conv in the inputs' dtype (float64 for the reference)."""
-    B, L, C = x.shape
-    x_map = x.transpose(1, 2).reshape(B, C, *hw)
-    local = F.conv2d(x_map, weight, bias, padding=weight.shape[-1] // 2, groups=C)
-    return out + local.flatten(2).transpose(1, 2)
-
-
-def grads(fn, tensors, g):
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    result = fn(*leaves)
-    return [result] + list(torch.autograd.grad(result, leaves, g.to(result.dtype)))  # g rounded
+    return out + conv_of_tokens(x, hw, weight, bias)
 
 
 def make(B, hw, C, K, dtype, device=DEVICE):
@@ -68,9 +59,9 @@ def rel_err(x, ref):
 def test_matches_conv2d(B, hw, C, K, dtype):
     out, x, weight, bias, g = make(B, hw, C, K, dtype)
     with use_backend('triton'):
-        got = grads(lambda *t: depthwise_conv_add(t[0], t[1], hw, t[2], t[3]),
+        got = outputs_and_grads(lambda *t: depthwise_conv_add(t[0], t[1], hw, t[2], t[3]),
                     (out, x, weight, bias), g)
-    ref = grads(lambda *t: reference(t[0], t[1], hw, t[2], t[3]),
+    ref = outputs_and_grads(lambda *t: reference(t[0], t[1], hw, t[2], t[3]),
                 [t.double() for t in (out, x, weight, bias)], g)
     assert got[0].dtype == dtype and got[2].dtype == dtype and got[3].dtype == torch.float32
     for name, a, r in zip(NAMES, got, ref):
@@ -90,9 +81,10 @@ def test_prefix_tokens_take_no_conv(backend):
     def ref(o, x, w, b):
         return torch.cat([o[:, :1], reference(o[:, 1:], x, (5, 3), w, b)], 1)
     with use_backend(backend):
-        got = grads(lambda *t: depthwise_conv_add(t[0].clone(), t[1], (5, 3), t[2], t[3]),
-                    (out, x, weight, bias), g)
-    want = grads(ref, (out, x, weight, bias), g)
+        got = outputs_and_grads(
+            lambda *t: depthwise_conv_add(t[0].clone(), t[1], (5, 3), t[2], t[3]),
+            (out, x, weight, bias), g)
+    want = outputs_and_grads(ref, (out, x, weight, bias), g)
     for name, a, r in zip(NAMES, got, want):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
 
@@ -205,8 +197,8 @@ def test_compile_fullgraph_one_op_each():
     with use_backend('triton'):
         compiled = torch.compile(f, fullgraph=True,
                                  backend=aot_autograd(fw_compiler=record, bw_compiler=record))
-        got = grads(compiled, tensors[:4], tensors[4])
-        want = grads(f, tensors[:4], tensors[4])
+        got = outputs_and_grads(compiled, tensors[:4], tensors[4])
+        want = outputs_and_grads(f, tensors[:4], tensors[4])
     assert any('flatten_mm.triton_conv_add.default' in s for s in graphs)
     assert any('flatten_mm.triton_conv_add_backward.default' in s for s in graphs)
     for name, a, b in zip(NAMES, got, want):
@@ -248,9 +240,9 @@ def test_cuda_real_sizes(B, hw, C, dtype):
     """GPU tiling (64 rows, 32-64 channels, chunked weight gradient) at real sizes."""
     out, x, weight, bias, g = make(B, hw, C, 5, dtype)
     with use_backend('triton'):
-        got = grads(lambda *t: depthwise_conv_add(t[0], t[1], hw, t[2], t[3]),
+        got = outputs_and_grads(lambda *t: depthwise_conv_add(t[0], t[1], hw, t[2], t[3]),
                     (out, x, weight, bias), g)
-    ref = grads(lambda *t: reference(t[0], t[1], hw, t[2], t[3]),
+    ref = outputs_and_grads(lambda *t: reference(t[0], t[1], hw, t[2], t[3]),
                 [t.double() for t in (out, x, weight, bias)], g)
     for name, a, r in zip(NAMES, got, ref):
         tol = 1e-4 if name in ('weight', 'bias') else TOL[dtype]
