@@ -9,8 +9,8 @@ from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .utils import (HWShape, add_projections, check_heads, check_positive_int,
-                    map_to_tokens, pad_to_multiple, param_cached, size_cached,
-                    spatial_reduce, specialize_image_size, tokens_to_map)
+                    pad_to_multiple, param_cached, size_cached, spatial_reduce,
+                    specialize_image_size, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .ops.conv import depthwise_conv_module
 
