@@ -225,10 +225,17 @@ def check_body_keys(state_dict: StateDict, model: nn.Module) -> None:
     own, held = body(model.state_dict()), body(model.convert_official(dict(state_dict)))
     missing, unexpected = sorted(own - held), sorted(held - own)
     if missing or unexpected:
-        raise RuntimeError(f'the checkpoint does not fit {type(model).__name__}: missing '
-                           f'{missing[:8] or "none"}, unexpected {unexpected[:8] or "none"} '
-                           f'({len(missing)} and {len(unexpected)} keys; '
-                           'pretrained_strict=False loads what fits)')
+        raise unfit('the checkpoint', model, missing, unexpected,
+                    ' (pretrained_strict=False loads what fits)')
+
+
+def unfit(source: str, model: nn.Module, missing: list, unexpected: list,
+          hint: str = '') -> RuntimeError:
+    """The error for weights of ``source`` that do not fit ``model``: the first
+    keys it lacks and has in excess, and how many."""
+    return RuntimeError(f'{source} does not fit {type(model).__name__}: missing '
+                        f'{missing[:8] or "none"}, unexpected {unexpected[:8] or "none"} '
+                        f'({len(missing)} and {len(unexpected)} keys){hint}')
 
 
 def classifier_state_dict(state_dict: dict, model: nn.Module) -> StateDict:

@@ -9,7 +9,7 @@ from typing import List, Optional, Set, Tuple, Union
 from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
-from ..conversion import classifier_state_dict, other_class_count, without_head
+from ..conversion import classifier_state_dict, other_class_count, unfit, without_head
 from .attention import grid_tokens
 from .utils import HWShape
 from .layers import check_images, stage_output
@@ -162,8 +162,7 @@ class ClassifierMixin:
         missing, unexpected = self.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not (head_left and k.startswith('head.'))]
         if missing or unexpected:
-            raise RuntimeError(f'{path} does not fit {type(self).__name__}: missing '
-                               f'{missing or "none"}, unexpected {unexpected or "none"}')
+            raise unfit(path, self, missing, unexpected)
 
 
 class PyramidClassifierMixin(ClassifierMixin):

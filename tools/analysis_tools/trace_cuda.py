@@ -195,6 +195,11 @@ def _call_node(node, given: dict) -> tuple:
     return outs if isinstance(outs, tuple) else (outs, )
 
 
+def as_list(x) -> list:
+    """One tensor or a sequence of them, as autograd.grad takes them, as a list."""
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
 def python_grad(outputs, inputs, grad_outputs=None) -> tuple:
     """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)``
     with autograd's nodes called from Python, for fake CUDA tensors (autograd's
@@ -202,8 +207,6 @@ def python_grad(outputs, inputs, grad_outputs=None) -> tuple:
     on a path to an input run, each once after all that feed it; each
     gradient summed to the shape and cast to the dtype its next node takes,
     the gradients of one input summed."""
-    def as_list(x) -> list:
-        return [x] if isinstance(x, torch.Tensor) else list(x)
     outputs, inputs = as_list(outputs), as_list(inputs)
     grad_outputs = [None] * len(outputs) if grad_outputs is None else as_list(grad_outputs)
     edges = [torch.autograd.graph.get_gradient_edge(x) for x in inputs]
@@ -321,8 +324,7 @@ def compile_step(model: nn.Module, fake_mode, shape: tuple) -> List[dict]:
     grad = torch.autograd.grad
 
     def traced_grad(outputs, inputs, grad_outputs=None, **kwargs):
-        outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-        if not any(out.is_cuda for out in outs):
+        if not any(out.is_cuda for out in as_list(outputs)):
             return grad(outputs, inputs, grad_outputs, **kwargs)
         return python_grad(outputs, inputs, grad_outputs)
     torch._dynamo.reset()

@@ -225,9 +225,7 @@ class FLattenBackbone(BaseModule):
         ``Pretrained`` one: loaded by :func:`~flatten_mm.checkpoint.load_pretrained`
         (the release's layout converted, anything that does not fit an error),
         with its ``prefix`` if given."""
-        check_init_cfg(self.init_cfg)  # again: it may have changed since the build
-        cfgs = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg]
-        cfgs = [cfg for cfg in cfgs if cfg is not None]
+        cfgs = check_init_cfg(self.init_cfg)  # again: it may have changed since the build
         pretrained = [cfg for cfg in cfgs if cfg.get('type') == 'Pretrained']
         self.default_init()
         others = [cfg for cfg in cfgs if cfg.get('type') != 'Pretrained']

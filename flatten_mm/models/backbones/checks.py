@@ -2,7 +2,7 @@
 names the argument and what is allowed, before anything fails deep inside."""
 import numbers
 import warnings
-from typing import Tuple
+from typing import List, Tuple
 
 from ..designs import check_design, check_kernel_size
 from ..layers import check_attn_type, check_stage_list
@@ -87,14 +87,14 @@ def check_out_indices(out_indices, num_stages: int = 4) -> Tuple[int, ...]:
                      f'or list (e.g. (0, 1, 2, 3), (2,) or -1), got {out_indices!r}')
 
 
-def check_init_cfg(init_cfg) -> None:
+def check_init_cfg(init_cfg) -> List[dict]:
     """None, a dict or a list of dicts (mmengine's forms); at most one
     ``Pretrained``, which names its checkpoint (else the error would come at
-    init_weights)."""
-    cfgs = init_cfg if isinstance(init_cfg, list) else [init_cfg]
-    if init_cfg is not None and not all(isinstance(c, dict) for c in cfgs):
+    init_weights). Returns the dicts, as a list."""
+    cfgs = [] if init_cfg is None else init_cfg if isinstance(init_cfg, list) else [init_cfg]
+    if not all(isinstance(c, dict) for c in cfgs):
         raise ValueError(f'init_cfg must be None, a dict or a list of dicts, got {init_cfg!r}')
-    pretrained = [cfg for cfg in cfgs if cfg is not None and cfg.get('type') == 'Pretrained']
+    pretrained = [cfg for cfg in cfgs if cfg.get('type') == 'Pretrained']
     if len(pretrained) > 1:
         raise ValueError(f'init_cfg holds {len(pretrained)} Pretrained entries, at most one '
                          f'is allowed: {init_cfg!r}')
@@ -102,3 +102,4 @@ def check_init_cfg(init_cfg) -> None:
         if not cfg.get('checkpoint'):
             raise ValueError("init_cfg of type 'Pretrained' needs a 'checkpoint' path, "
                              f'got {cfg!r}')
+    return cfgs
