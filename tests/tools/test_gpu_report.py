@@ -1,0 +1,49 @@
+"""tools/analysis_tools/gpu_report.sh: its parts, its pins, and a part run on the CPU."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / 'tools' / 'analysis_tools' / 'gpu_report.sh'
+TEXT = SCRIPT.read_text()
+
+
+def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, PYTHON=sys.executable, **env)
+    return subprocess.run(['bash', str(SCRIPT), *args], capture_output=True, text=True,
+                          env=full_env, timeout=120)
+
+
+def test_every_part_listed_has_a_function_and_every_function_is_listed():
+    listed = re.search(r'^PARTS=\(([^)]*)\)', TEXT, re.M).group(1).split()
+    defined = re.findall(r'^part_(\w+)\(\)', TEXT, re.M)
+    assert listed == defined
+    assert {'tests', 'core', 'bb', 'bbc', 'timm', 'compile'} <= set(listed)
+
+
+def test_pinned_versions_come_from_install_env():
+    install = (ROOT / 'tools' / 'install_env.sh').read_text()
+    names = set(re.findall(r'\$\(pin (\w+)\)', TEXT))
+    assert names == {'MMENGINE', 'MMDET', 'MMSEG', 'PYCOCOTOOLS', 'MMCV'}
+    for name in names:
+        assert re.search(rf'^{name}_VERSION=\d', install, re.M), name
+
+
+def test_unknown_part_is_refused_naming_the_parts(tmp_path):
+    result = run_script('run', str(tmp_path), 'env', 'benchmark')
+    assert result.returncode == 2
+    assert "unknown part 'benchmark'" in result.stderr
+    assert 'env tests core bb bound bbc prof timm compile sweep' in result.stderr
+    assert not (tmp_path / 'env.log').exists()  # nothing ran
+
+
+def test_env_part_runs_on_the_cpu(tmp_path):
+    result = run_script('run', str(tmp_path), 'env', FLATTEN_MM_REPORT_DEVICE='cpu')
+    assert result.returncode == 0, result.stderr
+    summary = (tmp_path / 'summary.txt').read_text().split()
+    assert summary[:2] == ['env', 'rc=0']
+    log = (tmp_path / 'env.log').read_text()
+    import torch
+    assert f'torch {torch.__version__}' in log and 'device cpu' in log
