@@ -310,7 +310,7 @@ def window_layout(hw_shape: HWShape, window: HWShape, offset: Tuple[int, int] = 
 
 def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0)
                      ) -> Tuple[Tensor, Tuple[int, int, int, int]]:
-    """Split a (B, H, W, C) map into windows, padding where needed.
+    """Split a (B, H, W, *C) map into windows, padding where needed.
 
     A shifted partition (Swin's SW-MSA) is a regular partition of the map
     padded by ``offset`` rows/columns at the top/left. Every window then holds
@@ -318,17 +318,21 @@ def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0
     mask are needed; padded tokens are excluded through
     :func:`window_key_mask`.
 
+    The channel dims ``C`` may be several (CSWin's (3, C) of q, k, v) and x a
+    strided view: windows that are whole rows of the map (one window across,
+    ``ww == W``) are then a view of x, others one copy.
+
     Returns:
-        windows (B * nW, wh * ww, C) and (top, left, Hp, Wp) for
+        windows (B * nW, wh * ww, *C) and (top, left, Hp, Wp) for
         :func:`window_merge` and :func:`window_key_mask`.
     """
-    B, H, W, C = x.shape
+    B, H, W, *C = x.shape
     wh, ww = window
     layout = top, left, Hp, Wp = window_layout((H, W), window, offset)
     if (Hp, Wp) != (H, W):
-        x = F.pad(x, (0, 0, left, Wp - W - left, top, Hp - H - top))
-    windows = x.view(B, Hp // wh, wh, Wp // ww, ww, C).transpose(2, 3).reshape(-1, wh * ww, C)
-    return windows, layout
+        x = F.pad(x, (0, 0) * len(C) + (left, Wp - W - left, top, Hp - H - top))
+    windows = x.view(B, Hp // wh, wh, Wp // ww, ww, *C).transpose(2, 3)
+    return windows.reshape(-1, wh * ww, *C), layout
 
 
 def window_key_mask(hw_shape: HWShape, window: HWShape, layout: Tuple[int, int, int, int],

@@ -72,12 +72,13 @@ class LePEAttention(nn.Module):
         return additive_key_mask(window_key_mask(hw_shape, window, layout, batch, device), dtype)
 
     def forward(self, qkv: Tensor) -> Tensor:
-        """(B, H, W, 3C) map of q, k, v (C channels each) -> (B, H, W, C)."""
-        B, H, W, C3 = qkv.shape
-        C, h = C3 // 3, self.num_heads
+        """(B, H, W, 3, C) map of q, k, v (C channels each; any strides, C's
+        contiguous) -> (B, H, W, C)."""
+        B, H, W, _, C = qkv.shape
+        h = self.num_heads
         window = self.window((H, W))
         windows, layout = window_partition(qkv, window, (0, 0))
-        Bw, n, _ = windows.shape
+        Bw, n = windows.shape[:2]
         q, k, v = windows.view(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
         mask = size_cached(
             self, ('mask', (H, W), B, q.dtype, q.device),
@@ -85,8 +86,11 @@ class LePEAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(Bw, n, C)
-        # LePE: V of each stripe as a map; padded V is zero, as the conv's own padding
-        out = out + depthwise_conv_module(self.get_v, windows[..., 2 * C:], window)
+        # LePE: V of each stripe as a map; padded V is zero, as the conv's own padding.
+        # Taken from v (a view of the windows), its gradient joins v's before the
+        # backward of the q, k, v split, which writes one tensor.
+        v_tokens = v.transpose(1, 2).flatten(2)
+        out = out + depthwise_conv_module(self.get_v, v_tokens, window)
         return window_merge(out, window, (H, W), layout)
 
 
@@ -137,10 +141,10 @@ class CSwinBlock(nn.Module):
         B, N, C = x.shape
         H, W = hw_shape
         parts = len(self.attns)
-        # branch b takes the b-th channel slice of each of q, k and v
-        qkv = self.qkv(x).view(B, H, W, 3, parts, C // parts)
-        out = torch.cat([branch(qkv[:, :, :, :, b].reshape(B, H, W, 3 * C // parts))
-                         for b, branch in enumerate(self.attns)], dim=-1)
+        # branch b takes the b-th channel slice of each of q, k and v, as a view:
+        # unbind's backward writes both branches' gradients into one tensor
+        qkv = self.qkv(x).view(B, H, W, 3, parts, C // parts).unbind(4)
+        out = torch.cat([branch(part) for branch, part in zip(self.attns, qkv)], dim=-1)
         return self.proj_drop(self.proj(out.reshape(B, N, C)))
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tensor:

@@ -77,7 +77,7 @@ def test_padded_stripes_equal_explicit_attention_on_real_tokens(W):
     torch.nn.init.normal_(branch.get_v.weight)
     qkv = torch.randn(1, 6, W, 24)
     with torch.no_grad():
-        got = branch(qkv)[0]
+        got = branch(qkv.unflatten(-1, (3, 8)))[0]
         for start in range(0, W, 7):
             cols = slice(start, min(start + 7, W))
             torch.testing.assert_close(got[:, cols], explicit_stripe_attention(branch, qkv, cols),
@@ -94,6 +94,7 @@ def test_horizontal_stripes_are_the_transpose_of_vertical_ones():
         k.copy_((k + k.transpose(2, 3)) / 2)
         horizontal.get_v.weight.copy_(k)
         qkv = torch.randn(2, 5, 8, 24)
+        qkv = qkv.unflatten(-1, (3, 8))
         torch.testing.assert_close(horizontal(qkv.transpose(1, 2)),
                                    vertical(qkv).transpose(1, 2), rtol=1e-5, atol=1e-5)
 
