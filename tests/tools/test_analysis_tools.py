@@ -189,6 +189,42 @@ def test_benchmark_backbone_identity_variant_skips_the_core_only(monkeypatch):
         tool.check_model_name('swin-t@identity')
 
 
+def test_benchmark_backbone_torch_variant_runs_the_torch_backend(monkeypatch):
+    """NAME@torch: every attention op of the model runs on the 'torch' backend
+    even where the override says 'triton' (which CPU tensors cannot run without
+    the interpreter), with the same output as the model on 'torch'; the
+    override is back afterwards. flatten-X is compared with it when both are
+    timed."""
+    from flatten_mm.models.ops import dispatch
+    tool = load_tool('benchmark_backbone')
+    torch.manual_seed(0)
+    plain = tool.build_model('flatten-pvt-t')
+    torch.manual_seed(0)
+    on_torch = tool.build_model('flatten-pvt-t@torch')
+    image = torch.randn(1, 3, 64, 96)
+    with dispatch.use_backend('torch'):
+        expected = plain(image)
+    chosen = []
+    choose = dispatch.choose
+    monkeypatch.setattr(dispatch, 'choose', lambda op, *args: chosen.append(
+        (op, choose(op, *args))) or chosen[-1][1])
+    with dispatch.use_backend('triton'):
+        outs = on_torch(image)
+        assert dispatch.get_backend() == 'triton'
+    assert sorted(set(chosen)) == [('attention', 'torch'), ('conv_add', 'torch')]
+    assert len(chosen) == 16  # two ops in each of PVT-T's 8 layers
+    for out, ref in zip(outs, expected):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    spec = dict(size=[64, 96], mode='fwdbwd', dtype='bf16', device='cuda', status='ok')
+    rows = tool.summarise([dict(spec, model=m, times_ms=[t]) for m, t in
+                           (('flatten-pvt-t', 50.), ('flatten-pvt-t@torch', 80.), ('pvt-t', 100.))])
+    baselines = {r['model']: (r['baseline'], r.get('time_ratio')) for r in rows}
+    assert baselines['flatten-pvt-t'] == ('flatten-pvt-t@torch', 0.625)
+    assert baselines['flatten-pvt-t@torch'] == ('pvt-t', 0.8)
+    with pytest.raises(ValueError, match='NAME@torch'):
+        tool.check_model_name('pvt-t@torch')
+
+
 def test_benchmark_stages_times_each_swin_stage():
     tool = load_tool('benchmark_stages')
     # the grids of an 800x1333 image: 4x4 patches (1333 padded to 1336), then odd sides padded

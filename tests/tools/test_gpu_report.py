@@ -20,7 +20,7 @@ def test_every_part_listed_has_a_function_and_every_function_is_listed():
     listed = re.search(r'^PARTS=\(([^)]*)\)', TEXT, re.M).group(1).split()
     defined = re.findall(r'^part_(\w+)\(\)', TEXT, re.M)
     assert listed == defined
-    assert {'tests', 'core', 'bb', 'bbc', 'timm', 'compile'} <= set(listed)
+    assert {'tests', 'core', 'bb', 'kernels', 'bbc', 'timm', 'compile'} <= set(listed)
 
 
 def test_pinned_versions_come_from_install_env():
@@ -35,7 +35,7 @@ def test_unknown_part_is_refused_naming_the_parts(tmp_path):
     result = run_script('run', str(tmp_path), 'env', 'benchmark')
     assert result.returncode == 2
     assert "unknown part 'benchmark'" in result.stderr
-    assert 'env tests core bb bound bbc prof timm compile sweep' in result.stderr
+    assert 'env tests core bb kernels bound bbc prof timm compile sweep' in result.stderr
     assert not (tmp_path / 'env.log').exists()  # nothing ran
 
 

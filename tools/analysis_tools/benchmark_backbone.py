@@ -34,6 +34,10 @@ whose linear attention runs the plain reference code (official op order),
 ``NAME@identity`` for a flatten model whose attention term is its query (out = q;
 the DWC term, projections and everything else kept): the step with a free
 attention core, the bound no faster core can beat, and
+``NAME@torch`` for a flatten model whose attention layers run the core and
+the DWC term on the ``'torch'`` backend (PyTorch ops, as on CPUs), not the
+Triton kernels a GPU gets by default: ``flatten-X`` is compared with it when
+both are timed, so the pair says what the kernels give the whole step, and
 ``NAME@rev`` for a flatten model built from another checkout of flatten_mm
 (``--rev-dir``, e.g. a ``git worktree`` of an older commit), to time two
 versions of the code side by side.
@@ -73,6 +77,10 @@ PVT_LAYERS = dict(t=[2, 2, 2, 2], s=[3, 4, 6, 3], m=[3, 4, 18, 3])
 PVTV2 = dict(b0=(32, [2, 2, 2, 2]), b1=(64, [2, 2, 2, 2]), b2=(64, [3, 4, 6, 3]))
 SWIN = dict(t=('tiny', [2, 2, 6, 2]), s=('small', [2, 2, 18, 2]))
 CSWIN = dict(t='tiny', s='small')
+# what NAME@VARIANT may say of a flatten model (module docstring); the variants
+# flatten-X is compared with when one is timed beside it
+VARIANTS = ('', 'reference', 'identity', 'torch', 'rev')
+SELF_BASELINES = ('rev', 'torch')
 
 
 # the stochastic depth every timm:NAME model is built with (build_model)
@@ -145,8 +153,9 @@ def model_names():
 
 
 def baseline_of(name: str):
-    """``flatten-X`` (or ``flatten-X@reference``, ``flatten-X@rev``) is compared
-    with ``X``; but ``flatten-X`` with ``flatten-X@rev`` when both are timed."""
+    """``flatten-X`` (or ``flatten-X@reference``, ``flatten-X@rev``, ...) is
+    compared with ``X``; but ``flatten-X`` with ``flatten-X@rev`` or
+    ``flatten-X@torch`` when one is timed (:data:`SELF_BASELINES`)."""
     base = name.split('@')[0]
     if base.startswith('release:'):  # the authors' against ours
         return 'timm:' + base[len('release:'):]
@@ -168,10 +177,10 @@ def check_model_name(name: str) -> None:
                              '(see timm.list_models(); ours are flatten_*)')
         return
     base, _, variant = name.partition('@')
-    if base not in model_names() or variant not in ('', 'reference', 'identity', 'rev') \
+    if base not in model_names() or variant not in VARIANTS \
             or (variant and not base.startswith('flatten-')):
-        raise ValueError(f'unknown model {name!r}; choose from {model_names()} '
-                         '(flatten ones also as NAME@reference, NAME@identity or NAME@rev)')
+        raise ValueError(f'unknown model {name!r}; choose from {model_names()} (flatten '
+                         'ones also as NAME@reference, NAME@identity, NAME@torch or NAME@rev)')
 
 
 def check_model_names(parser: argparse.ArgumentParser, names) -> None:
@@ -228,6 +237,17 @@ def build_model(name: str, release_dir: Optional[str] = None):
     return SwinTransformer(depths=SWIN[size][1], drop_path_rate=0.2)
 
 
+def on_backend(name: str, forward):
+    """``forward`` run with the attention ops' backend ``name`` (and its backward:
+    autograd keeps the functions the forward chose)."""
+    from flatten_mm.models.ops.dispatch import use_backend
+
+    def run(*args, **kwargs):
+        with use_backend(name):
+            return forward(*args, **kwargs)
+    return run
+
+
 def with_attention_variant(model, variant: str):
     """``model`` with every focused linear attention layer's core swapped for
     ``variant``'s (see the module docstring; '' or 'rev': as built)."""
@@ -236,7 +256,9 @@ def with_attention_variant(model, variant: str):
     for m in model.modules():
         if not isinstance(m, FocusedLinearAttention):
             continue
-        if variant == 'reference':
+        if variant == 'torch':
+            m.forward = on_backend('torch', m.forward)
+        elif variant == 'reference':
             m.forward = (lambda mod: lambda x, hw, key_mask=None:
                          reference_forward(mod, x, hw))(m)
         elif variant == 'identity':  # out = q: no focusing map, no state, no sums
@@ -461,8 +483,11 @@ def summarise(results):
         row['faulted_median_MiB'] = (statistics.median(row['faulted_MiB'])
                                      if row['faulted_MiB'] else None)
     for (model, size, mode, dtype), row in rows.items():
-        # a model timed against its own older version (NAME@rev) is compared with that
-        base = rows.get((model + '@rev', size, mode, dtype)) if '@' not in model else None
+        # a model timed against its own older version (NAME@rev) or its core on
+        # PyTorch ops (NAME@torch) is compared with that
+        base = next((rows[key] for key in ((f'{model}@{v}', size, mode, dtype)
+                                           for v in SELF_BASELINES) if key in rows), None) \
+            if '@' not in model else None
         base = base or rows.get((baseline_of(model), size, mode, dtype))
         row['baseline'] = base['model'] if base else None
         if base and row['median_ms'] and base['median_ms']:

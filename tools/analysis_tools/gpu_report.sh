@@ -19,13 +19,13 @@
 #       FLATTEN_MM_REPORT_DEVICE=cpu runs every part on the CPU at tiny sizes, to find
 #       a typo before a GPU is spent on it.
 #
-# Parts: env tests core bb bound bbc prof timm compile sweep (see part_* below).
+# Parts: env tests core bb kernels bound bbc prof timm compile sweep (see part_* below).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
 TOOLS=$ROOT/tools/analysis_tools
-PARTS=(env tests core bb bound bbc prof timm compile sweep)
+PARTS=(env tests core bb kernels bound bbc prof timm compile sweep)
 PAIRS=(flatten-swin-t swin-t flatten-pvt-t pvt-t flatten-pvtv2-b1 pvtv2-b1
        flatten-cswin-t cswin-t)
 
@@ -122,6 +122,12 @@ part_core() {  # the core against the reference; the fused DWC against cuDNN's c
 part_bb() {  # every family against its softmax form, eager
   bench --models "${PAIRS[@]}" --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16 fp32 \
     --out-dir "$OUT/bb"
+}
+
+part_kernels() {  # what the Triton kernels give each whole step: against the torch backend
+  bench --models flatten-swin-t flatten-swin-t@torch flatten-pvt-t flatten-pvt-t@torch \
+    flatten-pvtv2-b1 flatten-pvtv2-b1@torch flatten-cswin-t flatten-cswin-t@torch \
+    --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16 --out-dir "$OUT/kernels"
 }
 
 part_bound() {  # a free attention core: what no faster core can beat
