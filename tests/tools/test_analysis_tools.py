@@ -1,4 +1,5 @@
 """tools/analysis_tools: get_flops, benchmark_attention, benchmark_backbone."""
+import copy
 import csv
 import importlib.util
 import json
@@ -223,6 +224,9 @@ def test_benchmark_backbone_torch_variant_runs_the_torch_backend(monkeypatch):
     assert baselines['flatten-pvt-t@torch'] == ('pvt-t', 0.8)
     with pytest.raises(ValueError, match='NAME@torch'):
         tool.check_model_name('pvt-t@torch')
+    copied = copy.deepcopy(on_torch)  # its layers run themselves, not the original's
+    layer = next(m for m in copied.modules() if hasattr(m, 'project_qkv'))
+    assert layer.forward.__self__ is layer
 
 
 def test_benchmark_stages_times_each_swin_stage():

@@ -11,7 +11,7 @@ TEXT = SCRIPT.read_text()
 
 
 def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, PYTHON=sys.executable, **env)
+    full_env = {**os.environ, 'PYTHON': sys.executable, **env}
     return subprocess.run(['bash', str(SCRIPT), *args], capture_output=True, text=True,
                           env=full_env, timeout=120)
 
@@ -42,8 +42,17 @@ def test_unknown_part_is_refused_naming_the_parts(tmp_path):
 def test_env_part_runs_on_the_cpu(tmp_path):
     result = run_script('run', str(tmp_path), 'env', FLATTEN_MM_REPORT_DEVICE='cpu')
     assert result.returncode == 0, result.stderr
-    summary = (tmp_path / 'summary.txt').read_text().split()
-    assert summary[:2] == ['env', 'rc=0']
+    header, line = (tmp_path / 'summary.txt').read_text().splitlines()
+    assert header.startswith('# ') and header.endswith('on cpu: env')
+    assert line.split()[:2] == ['env', 'rc=0']
     log = (tmp_path / 'env.log').read_text()
     import torch
     assert f'torch {torch.__version__}' in log and 'device cpu' in log
+
+
+def test_a_failed_part_fails_the_run_and_the_next_part_still_runs(tmp_path):
+    result = run_script('run', str(tmp_path), 'env', 'env', PYTHON='false',
+                        FLATTEN_MM_REPORT_DEVICE='cpu')
+    assert result.returncode == 1
+    lines = (tmp_path / 'summary.txt').read_text().splitlines()[1:]
+    assert [line.split()[:2] for line in lines] == [['env', 'rc=1']] * 2

@@ -90,10 +90,12 @@ def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
     every family's training step reads and writes fewer than its softmax
     form's (measured 0.34×, 0.37×, 0.66×, 0.975×, bounds about 5% above, 1.5%
     for CSwin; the core on PyTorch ops, in fp32 as before its Triton path,
-    would exceed them all), and keeps fewer bytes for the backward (CSwin:
-    about as many). CSWin's stripes take q, k and v as views, so their
-    backward writes one gradient, no zero-filled selects (the steps moved
-    33.7 and 36.6 GB with them). Fake tensors cost the same at any size."""
+    would exceed them all), and keeps fewer bytes for the backward (CSwin
+    0.95×: its SSSS form keeps the whole q, k, v projection, of which its
+    horizontal stripes are views). CSWin's stripes take q, k and v as views,
+    so their backward writes one gradient, no zero-filled selects (before the
+    views the two steps moved 33.7 and 36.6 GB). Fake tensors cost the same at
+    any size."""
     tool = load_tool()
     pairs = [('flatten-pvt-t', 'pvt-t'), ('flatten-pvtv2-b1', 'pvtv2-b1'),
              ('flatten-swin-t', 'swin-t'), ('flatten-cswin-t', 'cswin-t')]

@@ -36,8 +36,9 @@ the DWC term, projections and everything else kept): the step with a free
 attention core, the bound no faster core can beat, and
 ``NAME@torch`` for a flatten model whose attention layers run the core and
 the DWC term on the ``'torch'`` backend (PyTorch ops, as on CPUs), not the
-Triton kernels a GPU gets by default: ``flatten-X`` is compared with it when
-both are timed, so the pair says what the kernels give the whole step, and
+Triton kernels a GPU gets by default: when both are timed, ``flatten-X``'s
+ratio is taken against ``flatten-X@torch`` instead of ``X``, so the pair says
+what the kernels give the whole step, and
 ``NAME@rev`` for a flatten model built from another checkout of flatten_mm
 (``--rev-dir``, e.g. a ``git worktree`` of an older commit), to time two
 versions of the code side by side.
@@ -67,6 +68,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from typing import NamedTuple, Optional
 from pathlib import Path
 
@@ -77,9 +79,9 @@ PVT_LAYERS = dict(t=[2, 2, 2, 2], s=[3, 4, 6, 3], m=[3, 4, 18, 3])
 PVTV2 = dict(b0=(32, [2, 2, 2, 2]), b1=(64, [2, 2, 2, 2]), b2=(64, [3, 4, 6, 3]))
 SWIN = dict(t=('tiny', [2, 2, 6, 2]), s=('small', [2, 2, 18, 2]))
 CSWIN = dict(t='tiny', s='small')
-# what NAME@VARIANT may say of a flatten model (module docstring); the variants
-# flatten-X is compared with when one is timed beside it
+# the variants NAME@VARIANT of a flatten model (module docstring)
 VARIANTS = ('', 'reference', 'identity', 'torch', 'rev')
+# the variants flatten-X is compared with, instead of X, when one is timed beside it
 SELF_BASELINES = ('rev', 'torch')
 
 
@@ -237,27 +239,29 @@ def build_model(name: str, release_dir: Optional[str] = None):
     return SwinTransformer(depths=SWIN[size][1], drop_path_rate=0.2)
 
 
-def on_backend(name: str, forward):
-    """``forward`` run with the attention ops' backend ``name`` (and its backward:
-    autograd keeps the functions the forward chose)."""
+def run_on_backend(module, name: str) -> None:
+    """Make ``module``'s forward run with the attention ops' backend ``name`` (and
+    its backward: autograd keeps the functions the forward chose). A bound
+    method, so that a deep copy of the model runs its own module."""
     from flatten_mm.models.ops.dispatch import use_backend
 
-    def run(*args, **kwargs):
+    def forward(self, *args, **kwargs):
         with use_backend(name):
-            return forward(*args, **kwargs)
-    return run
+            return type(self).forward(self, *args, **kwargs)
+    module.forward = types.MethodType(forward, module)
 
 
 def with_attention_variant(model, variant: str):
     """``model`` with every focused linear attention layer's core swapped for
-    ``variant``'s (see the module docstring; '' or 'rev': as built)."""
+    ``variant``'s, or with both its ops on the torch backend (see the module
+    docstring; '' or 'rev': as built)."""
     from flatten_mm.analysis import reference_forward
     from flatten_mm.models.attention import FocusedLinearAttention
     for m in model.modules():
         if not isinstance(m, FocusedLinearAttention):
             continue
         if variant == 'torch':
-            m.forward = on_backend('torch', m.forward)
+            run_on_backend(m, 'torch')
         elif variant == 'reference':
             m.forward = (lambda mod: lambda x, hw, key_mask=None:
                          reference_forward(mod, x, hw))(m)
@@ -456,6 +460,15 @@ def run_case(spec: dict, timeout: float) -> dict:
     return dict(spec, status=status)
 
 
+def self_baseline(rows: dict, model: str, size, mode: str, dtype: str) -> Optional[dict]:
+    """The row of ``model`` as another version (NAME@rev) or with its attention
+    ops on PyTorch (NAME@torch), if one was timed: what ``model`` is compared with."""
+    if '@' in model:
+        return None
+    return next((rows[key] for key in ((f'{model}@{v}', size, mode, dtype)
+                                       for v in SELF_BASELINES) if key in rows), None)
+
+
 def summarise(results):
     rows = {}
     for r in results:
@@ -483,12 +496,8 @@ def summarise(results):
         row['faulted_median_MiB'] = (statistics.median(row['faulted_MiB'])
                                      if row['faulted_MiB'] else None)
     for (model, size, mode, dtype), row in rows.items():
-        # a model timed against its own older version (NAME@rev) or its core on
-        # PyTorch ops (NAME@torch) is compared with that
-        base = next((rows[key] for key in ((f'{model}@{v}', size, mode, dtype)
-                                           for v in SELF_BASELINES) if key in rows), None) \
-            if '@' not in model else None
-        base = base or rows.get((baseline_of(model), size, mode, dtype))
+        base = self_baseline(rows, model, size, mode, dtype) or \
+            rows.get((baseline_of(model), size, mode, dtype))
         row['baseline'] = base['model'] if base else None
         if base and row['median_ms'] and base['median_ms']:
             for steps, ratio, spread in (('times_ms', 'time_ratio', 'ratio_range'),

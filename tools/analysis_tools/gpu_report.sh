@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md ("Measured on a GPU") in one go: each part
-# under its own time limit, every output in one folder, so that a short loan of a GPU
+# under its own time limit, every output in one folder, so that a short time on a GPU
 # machine (often without network access and without OpenMMLab) gives every figure.
 #
 #   bash tools/analysis_tools/gpu_report.sh wheels DIR
 #       On a machine with network access: downloads into DIR what the measurements need
-#       beyond torch, triton, timm, numpy and einops, for the GPU machine's Python
+#       beyond torch, triton, timm, numpy, scipy, matplotlib, opencv and einops (which the
+#       GPU machine is taken to have), for its Python
 #       (GPU_PYTHON, default 3.12; the versions pinned in tools/install_env.sh): mmengine,
 #       mmdet, mmsegmentation and their small dependencies, and builds mmcv as a pure
 #       wheel without its compiled ops (MMCV_WITH_OPS=0; the backbones call none).
@@ -15,7 +16,8 @@
 #       FLATTEN_MM_WHEELS=DIR first installs DIR's wheels into a folder of its own
 #       (FLATTEN_MM_SITE, default $TMPDIR/flatten_mm_site) put on PYTHONPATH.
 #       RELEASE_DIR: a checkout of LeapLabTHU/FLatten-Transformer (part timm).
-#       PART_TIMEOUT: seconds per part (default 300); PYTHON (default python3).
+#       PART_TIMEOUT: seconds per part (default 300; 540 for compile and bbc);
+#       PYTHON (default python3). Exits 1 if a part failed or ran out of time.
 #       FLATTEN_MM_REPORT_DEVICE=cpu runs every part on the CPU at tiny sizes, to find
 #       a typo before a GPU is spent on it.
 #
@@ -37,10 +39,13 @@ wheels() {
   mkdir -p "$dir" || return 1
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$dir" "mmengine==$(pin MMENGINE)" "mmdet==$(pin MMDET)" \
-    "mmsegmentation==$(pin MMSEG)" "pycocotools==$(pin PYCOCOTOOLS)" \
-    addict yapf termcolor terminaltables platformdirs shapely ftfy regex || return 1
-  # mmcv is a source release; without compiled ops its wheel is pure (mmcv_lite-*.whl)
+    -d "$dir" "mmengine==$(pin MMENGINE)" \
+    "mmdet==$(pin MMDET)" "mmsegmentation==$(pin MMSEG)" "pycocotools==$(pin PYCOCOTOOLS)" \
+    addict yapf termcolor terminaltables platformdirs shapely ftfy regex wcwidth \
+    rich markdown-it-py mdurl pygments pyyaml prettytable || return 1
+  # mmcv is a source release; without compiled ops its wheel is pure, named mmcv-lite,
+  # so pip cannot build it by the name mmcv: from the unpacked source instead (its
+  # setup.py imports torch, which PYTHON must have)
   build=$(mktemp -d)
   "$PY" -m pip download -q --no-deps --no-build-isolation --no-binary :all: \
     "mmcv==$(pin MMCV)" -d "$build" &&
@@ -68,6 +73,8 @@ PYEOF
     touch "$site/.installed"
   fi
   export PYTHONPATH=$site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  "$PY" -c 'import mmengine, mmcv, mmdet.models.backbones, flatten_mm' ||
+    { echo "mmdet's backbones do not import with $site on PYTHONPATH" >&2; return 1; }
 }
 
 # Sizes and step counts: real ones on a GPU, tiny ones for FLATTEN_MM_REPORT_DEVICE=cpu.
@@ -100,7 +107,8 @@ core() {  # benchmark_attention.py, training step; $1: dtype, then more argument
 
 part_env() {
   command -v nvidia-smi >/dev/null && nvidia-smi
-  "$PY" -c 'import sys, torch, triton, timm, mmdet, mmengine, flatten_mm
+  "$PY" -c 'import sys, torch, triton, timm, mmdet.models.backbones, mmengine, flatten_mm
+import mmdet
 print(sys.version)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
       "timm", timm.__version__, "mmdet", mmdet.__version__, "mmengine", mmengine.__version__)
@@ -119,26 +127,39 @@ part_core() {  # the core against the reference; the fused DWC against cuDNN's c
     core fp32 --variants reference fast-torch fast-triton --out "$OUT/core_fp32.json"
 }
 
+# bench for each pair of models in turn ($1: the results' folder, then the models, then
+# -- and bench's other arguments): a paired run keeps every model's worker and its memory
+# alive, and eight backbones' peaks at batch 8, 800x1333 exceed one GPU's memory
+pairwise() {
+  local out=$1 models=() rc=0 i
+  shift
+  while [ "$1" != -- ]; do models+=("$1"); shift; done
+  shift
+  for ((i = 0; i < ${#models[@]}; i += 2)); do
+    bench --models "${models[@]:i:2}" "$@" --out-dir "$out/${models[i]}" || rc=1
+  done
+  return $rc
+}
+
 part_bb() {  # every family against its softmax form, eager
-  bench --models "${PAIRS[@]}" --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16 fp32 \
-    --out-dir "$OUT/bb"
+  pairwise "$OUT/bb" "${PAIRS[@]}" -- --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16 fp32
 }
 
 part_kernels() {  # what the Triton kernels give each whole step: against the torch backend
-  bench --models flatten-swin-t flatten-swin-t@torch flatten-pvt-t flatten-pvt-t@torch \
+  pairwise "$OUT/kernels" flatten-swin-t flatten-swin-t@torch flatten-pvt-t flatten-pvt-t@torch \
     flatten-pvtv2-b1 flatten-pvtv2-b1@torch flatten-cswin-t flatten-cswin-t@torch \
-    --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16 --out-dir "$OUT/kernels"
+    -- --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16
 }
 
 part_bound() {  # a free attention core: what no faster core can beat
-  bench --models flatten-swin-t flatten-swin-t@identity flatten-pvt-t \
-    flatten-pvt-t@identity flatten-cswin-t flatten-cswin-t@identity --sizes "$SIZE" \
-    --modes fwdbwd --dtypes bf16 --out-dir "$OUT/bound"
+  pairwise "$OUT/bound" flatten-swin-t flatten-swin-t@identity flatten-pvt-t \
+    flatten-pvt-t@identity flatten-cswin-t flatten-cswin-t@identity \
+    -- --sizes "$SIZE" --modes fwdbwd --dtypes bf16
 }
 
 part_bbc() {  # compiled against compiled
-  bench --compile --models "${COMPILED[@]}" --sizes "$SIZE" --modes fwdbwd --dtypes bf16 \
-    --out-dir "$OUT/bbc"
+  pairwise "$OUT/bbc" "${COMPILED[@]}" -- --compile --sizes "$SIZE" --modes fwdbwd \
+    --dtypes bf16
 }
 
 part_prof() {
@@ -174,7 +195,7 @@ part_sweep() {  # other tilings of the Triton kernels (docs/design.md, "Tiling s
 }
 
 run() {
-  OUT=$(mkdir -p "$1" && cd "$1" && pwd) || exit 1
+  OUT=$(mkdir -p "$1" && CDPATH='' cd "$1" && pwd) || exit 1
   shift
   [ $# -gt 0 ] || set -- "${PARTS[@]}"
   for part in "$@"; do
@@ -188,15 +209,21 @@ run() {
   fi
   settings
   export OUT DEV SIZE SIZE2 BATCH CORE_BATCH ITERS WARMUP TIMM_BATCH
-  local start rc
+  local start rc limit failed=0
+  echo "# $(date -u '+%F %T') on $DEV: $*" >> "$OUT/summary.txt"
   for part in "$@"; do
     start=$SECONDS
+    limit=${PART_TIMEOUT:-300}
+    [[ -z ${PART_TIMEOUT:-} && $part =~ ^(compile|bbc)$ ]] && limit=540
     # a function in a child bash, so that timeout can stop it with all it started
-    timeout -k 10 "${PART_TIMEOUT:-300}" bash -c "$(declare -f; declare -p CASES THREADS \
+    timeout -k 10 "$limit" bash -uo pipefail -c "$(declare -f; declare -p CASES THREADS \
       COMPILED TILINGS PAIRS TOOLS PY ROOT); part_$part" > "$OUT/$part.log" 2>&1
     rc=$?
+    [ $rc = 0 ] || failed=1
+    [[ $rc =~ ^(124|137)$ ]] && rc="$rc (over ${limit} s)"
     printf '%-8s rc=%-3s %4d s\n' "$part" "$rc" "$((SECONDS - start))" | tee -a "$OUT/summary.txt"
   done
+  return $failed
 }
 
 case "${1:-}" in

@@ -152,3 +152,28 @@ def test_autocast_scaled_inputs_are_finite(dtype):
 @pytest.mark.parametrize('attn_type', ['LLSS', 'SSSS'])
 def test_caches_size_dependent_tensors(attn_type):
     assert_caches_reused(small_cswin(attn_type=attn_type))
+
+
+@pytest.mark.parametrize('stripe', [2, 3])
+def test_stripe_branches_on_views_equal_branches_on_copies(stripe):
+    """A softmax block hands each branch strided views into its q, k, v
+    projection (horizontal stripes stay views, padded or not); the branches
+    on contiguous copies of the same slices give the same output and
+    gradients, in training mode, on a 9x7 map that stripes of 2 pad both ways
+    and stripes of 3 only vertically."""
+    torch.manual_seed(0)
+    block = CSwinBlock(16, 4, 'S', stripe, (8, 8), 3., 5).train()
+    x = torch.randn(2, 9 * 7, 16, requires_grad=True)
+
+    def on_copies(x):
+        qkv = block.qkv(x).view(2, 9, 7, 3, 2, 8)
+        out = torch.cat([branch(qkv[:, :, :, :, b].contiguous())
+                         for b, branch in enumerate(block.attns)], dim=-1)
+        return block.proj(out.reshape(2, 9 * 7, 16))
+
+    got, want = block.attention(x, (9, 7)), on_copies(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    grad = torch.randn_like(got)
+    inputs = [x, *block.attns.parameters(), *block.qkv.parameters()]
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
