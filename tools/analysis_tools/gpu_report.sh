@@ -127,38 +127,38 @@ part_core() {  # the core against the reference; the fused DWC against cuDNN's c
     core fp32 --variants reference fast-torch fast-triton --out "$OUT/core_fp32.json"
 }
 
-# bench for each pair of models in turn ($1: the results' folder, then the models, then
-# -- and bench's other arguments): a paired run keeps every model's worker and its memory
-# alive, and eight backbones' peaks at batch 8, 800x1333 exceed one GPU's memory
-pairwise() {
-  local out=$1 models=() rc=0 i
-  shift
+# bench for each group of N models in turn ($1: N, $2: the results' folder, then the
+# models, then -- and bench's other arguments): a paired run keeps every model's worker
+# and its memory alive, and eight backbones' peaks at batch 8, 800x1333 exceed one GPU's
+groups() {
+  local n=$1 out=$2 models=() rc=0 i
+  shift 2
   while [ "$1" != -- ]; do models+=("$1"); shift; done
   shift
-  for ((i = 0; i < ${#models[@]}; i += 2)); do
-    bench --models "${models[@]:i:2}" "$@" --out-dir "$out/${models[i]}" || rc=1
+  for ((i = 0; i < ${#models[@]}; i += n)); do
+    bench --models "${models[@]:i:n}" "$@" --out-dir "$out/${models[i]}" || rc=1
   done
   return $rc
 }
 
 part_bb() {  # every family against its softmax form, eager
-  pairwise "$OUT/bb" "${PAIRS[@]}" -- --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16 fp32
+  groups 2 "$OUT/bb" "${PAIRS[@]}" -- --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16 fp32
 }
 
 part_kernels() {  # what the Triton kernels give each whole step: against the torch backend
-  pairwise "$OUT/kernels" flatten-swin-t flatten-swin-t@torch flatten-pvt-t flatten-pvt-t@torch \
+  groups 2 "$OUT/kernels" flatten-swin-t flatten-swin-t@torch flatten-pvt-t flatten-pvt-t@torch \
     flatten-pvtv2-b1 flatten-pvtv2-b1@torch flatten-cswin-t flatten-cswin-t@torch \
     -- --sizes "$SIZE" --modes fwd fwdbwd --dtypes bf16
 }
 
-part_bound() {  # a free attention core: what no faster core can beat
-  pairwise "$OUT/bound" flatten-swin-t flatten-swin-t@identity flatten-pvt-t \
-    flatten-pvt-t@identity flatten-cswin-t flatten-cswin-t@identity \
+part_bound() {  # a free attention core, what no faster core can beat, beside softmax
+  groups 3 "$OUT/bound" flatten-swin-t flatten-swin-t@identity swin-t flatten-pvt-t \
+    flatten-pvt-t@identity pvt-t flatten-cswin-t flatten-cswin-t@identity cswin-t \
     -- --sizes "$SIZE" --modes fwdbwd --dtypes bf16
 }
 
 part_bbc() {  # compiled against compiled
-  pairwise "$OUT/bbc" "${COMPILED[@]}" -- --compile --sizes "$SIZE" --modes fwdbwd \
+  groups 2 "$OUT/bbc" "${COMPILED[@]}" -- --compile --sizes "$SIZE" --modes fwdbwd \
     --dtypes bf16
 }
 
