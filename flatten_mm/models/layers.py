@@ -319,8 +319,8 @@ def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0
     :func:`window_key_mask`.
 
     The channel dims ``C`` may be several (CSWin's (3, C) of q, k, v) and x a
-    strided view: windows that are whole rows of the map (one window across,
-    ``ww == W``) are then a view of x, others one copy.
+    strided view: windows that are whole rows of a map needing no padding (one
+    window across, ``ww == W``) are then a view of x, others one copy.
 
     Returns:
         windows (B * nW, wh * ww, *C) and (top, left, Hp, Wp) for
