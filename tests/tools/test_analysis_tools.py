@@ -227,6 +227,14 @@ def test_benchmark_backbone_torch_variant_runs_the_torch_backend(monkeypatch):
     copied = copy.deepcopy(on_torch)  # its layers run themselves, not the original's
     layer = next(m for m in copied.modules() if hasattr(m, 'project_qkv'))
     assert layer.forward.__self__ is layer
+    # NAME@reference: the same formula by the reference code, also bound per layer
+    torch.manual_seed(0)
+    reference = tool.build_model('flatten-pvt-t@reference')
+    layer = next(m for m in copy.deepcopy(reference).modules() if hasattr(m, 'project_qkv'))
+    assert layer.forward.__self__ is layer
+    with torch.no_grad():  # eval: no stochastic depth
+        for out, ref in zip(reference.eval()(image), plain.eval()(image)):
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_benchmark_stages_times_each_swin_stage():

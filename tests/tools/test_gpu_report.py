@@ -56,3 +56,10 @@ def test_a_failed_part_fails_the_run_and_the_next_part_still_runs(tmp_path):
     assert result.returncode == 1
     lines = (tmp_path / 'summary.txt').read_text().splitlines()[1:]
     assert [line.split()[:2] for line in lines] == [['env', 'rc=1']] * 2
+
+
+def test_without_a_command_the_whole_header_is_the_usage():
+    result = run_script()
+    assert result.returncode == 2
+    assert 'gpu_report.sh wheels DIR' in result.stderr and 'run OUT PART' in result.stderr
+    assert result.stderr.rstrip().splitlines()[-1].startswith('# Parts: env tests')

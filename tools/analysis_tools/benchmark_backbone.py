@@ -239,32 +239,32 @@ def build_model(name: str, release_dir: Optional[str] = None):
     return SwinTransformer(depths=SWIN[size][1], drop_path_rate=0.2)
 
 
-def run_on_backend(module, name: str) -> None:
-    """Make ``module``'s forward run with the attention ops' backend ``name`` (and
-    its backward: autograd keeps the functions the forward chose). A bound
-    method, so that a deep copy of the model runs its own module."""
+def on_torch_backend(self, *args, **kwargs):
+    """A layer's own forward with the attention ops on the 'torch' backend (and
+    its backward: autograd keeps the functions the forward chose)."""
     from flatten_mm.models.ops.dispatch import use_backend
+    with use_backend('torch'):
+        return type(self).forward(self, *args, **kwargs)
 
-    def forward(self, *args, **kwargs):
-        with use_backend(name):
-            return type(self).forward(self, *args, **kwargs)
-    module.forward = types.MethodType(forward, module)
+
+def on_reference(self, x, hw_shape, key_mask=None):
+    """A layer's forward by the plain reference code."""
+    from flatten_mm.analysis import reference_forward
+    return reference_forward(self, x, hw_shape)
 
 
 def with_attention_variant(model, variant: str):
     """``model`` with every focused linear attention layer's core swapped for
     ``variant``'s, or with both its ops on the torch backend (see the module
-    docstring; '' or 'rev': as built)."""
-    from flatten_mm.analysis import reference_forward
+    docstring; '' or 'rev': as built). Forwards are bound methods, so that a
+    deep copy of the model runs its own layers."""
     from flatten_mm.models.attention import FocusedLinearAttention
+    forwards = dict(torch=on_torch_backend, reference=on_reference)
     for m in model.modules():
         if not isinstance(m, FocusedLinearAttention):
             continue
-        if variant == 'torch':
-            run_on_backend(m, 'torch')
-        elif variant == 'reference':
-            m.forward = (lambda mod: lambda x, hw, key_mask=None:
-                         reference_forward(mod, x, hw))(m)
+        if variant in forwards:
+            m.forward = types.MethodType(forwards[variant], m)
         elif variant == 'identity':  # out = q: no focusing map, no state, no sums
             m.attend = lambda q, k, v, key_mask, overwrite_qk=False, grids=None: q
     return model

@@ -108,7 +108,6 @@ core() {  # benchmark_attention.py, training step; $1: dtype, then more argument
 part_env() {
   command -v nvidia-smi >/dev/null && nvidia-smi
   "$PY" -c 'import sys, torch, triton, timm, mmdet.models.backbones, mmengine, flatten_mm
-import mmdet
 print(sys.version)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
       "timm", timm.__version__, "mmdet", mmdet.__version__, "mmengine", mmengine.__version__)
@@ -229,5 +228,5 @@ run() {
 case "${1:-}" in
   wheels) [ $# -eq 2 ] || { echo "usage: $0 wheels DIR" >&2; exit 2; }; wheels "$2" ;;
   run) [ $# -ge 2 ] || { echo "usage: $0 run OUT [PART ...]" >&2; exit 2; }; shift; run "$@" ;;
-  *) sed -n '2,22p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,/^set /{/^#/p}' "$0" >&2; exit 2 ;;  # the header comment: the usage
 esac
