@@ -4,6 +4,8 @@ import os.path as osp
 import pytest
 import torch
 
+from demo_runs import ROOT, run, worker_threads
+
 # Without CUDA the Triton kernels run under Triton's CPU interpreter. The switch
 # must be on before triton is first imported (by any test, or by torch itself):
 # triton's own library functions are decorated then, and decorated compiled
@@ -11,7 +13,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')
 
-from demo_runs import ROOT, run
+# Under pytest-xdist (`make test` runs `pytest -n 2`) the workers share the cores:
+# each worker, and every script a test starts (it inherits OMP_NUM_THREADS), gets
+# its share as torch's thread count, not the whole machine each.
+if worker_threads(os.environ) is not None:
+    os.environ.setdefault('OMP_NUM_THREADS', str(worker_threads(os.environ)))
+    torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
 
 
 @pytest.fixture(autouse=True)

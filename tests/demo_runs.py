@@ -8,6 +8,16 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 
+def worker_threads(environ, cpus=None):
+    """Torch threads for one pytest-xdist worker: the cores this process may
+    use, shared among the workers (at least 1); None outside xdist."""
+    workers = environ.get('PYTEST_XDIST_WORKER_COUNT')
+    if not workers:
+        return None
+    cpus = cpus or len(os.sched_getaffinity(0))
+    return max(1, cpus // int(workers))
+
+
 def run(*args, cwd, env=None, python=True):
     """Run a script with this Python (or a command, ``python=False``); fail
     the test with the output's end unless it exits 0. Returns the output."""

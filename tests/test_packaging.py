@@ -13,7 +13,9 @@ import zipfile
 import pytest
 import yaml
 
-from demo_runs import ROOT, losses, run, seg_options
+import torch
+
+from demo_runs import ROOT, losses, run, seg_options, worker_threads
 
 BIN = osp.dirname(sys.executable)
 MODEL_FOLDERS = ('flatten_pvt', 'flatten_swin', 'flatten_cswin', 'flatten_pvtv2', 'flatten_deit',
@@ -128,3 +130,21 @@ def test_an_older_torch_is_refused_at_import_by_name():
     for old in ('2.9.1+cu128', '2.6.0', '1.13.1'):
         with pytest.raises(ImportError, match=rf'torch >= 2\.11, found torch {re.escape(old)}'):
             check_torch(old)
+
+
+def test_make_test_workers_share_the_cores():
+    """`make test` runs pytest-xdist workers; each gets its share of the cores
+    as torch's threads, and so does every script a test starts."""
+    make = open(osp.join(ROOT, 'Makefile')).read()
+    assert re.search(r'pytest -q -n \$\(TEST_JOBS\)', make) and 'TEST_JOBS ?= 2' in make
+    assert worker_threads({}) is None
+    assert worker_threads({'PYTEST_XDIST_WORKER_COUNT': '2'}, cpus=2) == 1
+    assert worker_threads({'PYTEST_XDIST_WORKER_COUNT': '2'}, cpus=16) == 8
+    assert worker_threads({'PYTEST_XDIST_WORKER_COUNT': '4'}, cpus=2) == 1
+    share = worker_threads(os.environ)
+    if share is None:
+        pytest.skip('one process: the suite runs outside pytest-xdist')
+    want = int(os.environ.get('OMP_NUM_THREADS', share))
+    assert torch.get_num_threads() == want
+    out = run('-c', 'import torch; print(torch.get_num_threads())', cwd=ROOT)
+    assert int(out.split()[-1]) == want

@@ -19,6 +19,7 @@ OPENMIM_VERSION=0.3.9
 ONNX_VERSION=1.23.2  # ONNX export tests: onnx, onnxscript (torch's exporter), onnxruntime
 ONNXSCRIPT_VERSION=0.7.2
 ONNXRUNTIME_VERSION=1.32.0
+PYTEST_XDIST_VERSION=3.8.0  # make test runs the suite in parallel workers
 # torch 2.14 requires setuptools >= 77.0.3; mmcv's build needs pkg_resources and
 # `setup.py develop` must stay an egg-link install for mim (setuptools 80 turned it
 # into a PEP 660 one): 79.0.1 meets all three. With setuptools < 77 beside it pip
@@ -49,7 +50,8 @@ PINS=(torch=$TORCH_VERSION torchvision=$TORCHVISION_VERSION numpy=$NUMPY_VERSION
       mmdet=$MMDET_VERSION mmsegmentation=$MMSEG_VERSION mmpretrain=$MMPRETRAIN_VERSION
       timm=$TIMM_VERSION
       pycocotools=$PYCOCOTOOLS_VERSION openmim=$OPENMIM_VERSION onnx=$ONNX_VERSION
-      onnxscript=$ONNXSCRIPT_VERSION onnxruntime=$ONNXRUNTIME_VERSION)
+      onnxscript=$ONNXSCRIPT_VERSION onnxruntime=$ONNXRUNTIME_VERSION
+      pytest-xdist=$PYTEST_XDIST_VERSION)
 
 # Prints "name installed-version" for every pin that does not hold; silent when all hold.
 check_pins() {
@@ -300,7 +302,7 @@ else:
 log "build tools and pure-Python dependencies"
 $PIP install -q wheel ninja "numpy==$NUMPY_VERSION" \
   "mmengine==$MMENGINE_VERSION" "timm==$TIMM_VERSION" "pycocotools==$PYCOCOTOOLS_VERSION" \
-  ftfy regex matplotlib opencv-python-headless pytest
+  ftfy regex matplotlib opencv-python-headless pytest "pytest-xdist==$PYTEST_XDIST_VERSION"
 
 # mmcv 2.1.0 exists on PyPI only as source; its compiled ops (RoIAlign, NMS) are built
 # here, with CUDA ops where decide/plan_mmcv say so. torch 2.14's headers need C++20, so
