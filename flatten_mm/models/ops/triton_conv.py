@@ -30,7 +30,7 @@ from torch import Tensor
 from .conv import torch_conv_add
 from .dispatch import register_backend, register_op_pair
 from .triton_backend import (AVAILABLE, DTYPES, agrees_once, channel_rows, check_runnable,
-                             importable, lazy_module, run_guarded, settled)
+                             importable, lazy_module, on_device, run_guarded, settled)
 
 _KERNELS = {}
 
@@ -49,8 +49,9 @@ def _add_impl(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: i
     result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     if P:
         result[:, :P] = out[:, :P]
-    kernels().conv_add(channel_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:], (H, W),
-                       out=result[:, P:])
+    with on_device(x.device):
+        kernels().conv_add(channel_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:],
+                           (H, W), out=result[:, P:])
     return result
 
 
@@ -64,9 +65,10 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int
     check_runnable(x)
     ks, x = kernels(), channel_rows(x)
     grad = channel_rows(grad)[:, grad.shape[1] - H * W:]  # the grid's rows
-    grad_x = ks.conv_add(grad, weight.contiguous(), None, None, (H, W), flip=True,
-                         dtype=x.dtype)
-    grad_w, grad_b = ks.weight_grad(grad, x, weight.shape[-1], (H, W))
+    with on_device(x.device):
+        grad_x = ks.conv_add(grad, weight.contiguous(), None, None, (H, W), flip=True,
+                             dtype=x.dtype)
+        grad_w, grad_b = ks.weight_grad(grad, x, weight.shape[-1], (H, W))
     return grad_x, grad_w.to(weight.dtype), grad_b.to(bias.dtype)
 
 

@@ -333,6 +333,22 @@ def test_exact_fp32_reads_either_tf32_api():
         matmul.fp32_precision = before
 
 
+def test_first_use_bound_follows_the_tf32_setting():
+    """fp32 with TF32 allowed has tf32 dots on both sides, each rounding its
+    operands to 10 bits in its own order: the first-use check takes fp16's bound
+    there, fp32's with IEEE dots."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = 'tf32'
+        assert tb.agree_tol(torch.float32) == tb.AGREE_TOL[torch.float16] == 2e-2
+        matmul.fp32_precision = 'ieee'
+        assert tb.agree_tol(torch.float32) == 1e-3
+        assert tb.agree_tol(torch.bfloat16) == 8e-2
+    finally:
+        matmul.fp32_precision = before
+
+
 def test_one_head_before_sm90_keeps_two_query_passes(monkeypatch):
     """Before sm_90 the one-head query side runs as with several heads (the fused
     pass spills there): the same values and gradients."""

@@ -11,6 +11,8 @@ to the tensor's dtype, so fp32 is held to 1e-5 and half precision to about
 two units of its roundoff (fp16 2^-11, bf16 2^-8): 1e-3 and 8e-3. The weight
 and bias gradients are fp32 sums whatever the inputs: 1e-5.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -274,3 +276,24 @@ def test_first_use_probe_spans_images_and_a_failing_backward_falls_back(monkeypa
         got = tc.triton_conv_add(out.clone(), x, (5, 7), weight, bias)
     assert torch.allclose(got, reference(out, x, (5, 7), weight, bias), atol=1e-5)
     assert not tb._KERNELS['importable']
+
+
+def test_kernels_launch_on_their_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: every op's kernels (attention
+    and conv, forward and backward) launch inside ``on_device`` of their input,
+    so a model on cuda:1 runs on cuda:1 whatever the current device is."""
+    entered, real = [], tb.on_device
+
+    def recording(device):
+        entered.append(device)
+        return contextlib.nullcontext()
+    monkeypatch.setattr(tb, 'on_device', recording)
+    monkeypatch.setattr(tc, 'on_device', recording)
+    layer = FocusedLinearAttention(32, 2).to(DEVICE)
+    x = torch.randn(2, 20, 32, device=DEVICE)
+    with use_backend('triton'):
+        layer(x, (4, 5)).sum().backward()
+    assert entered == [x.device] * 4  # attention, conv; their backwards
+    assert isinstance(real(torch.device('cpu')), contextlib.nullcontext)
+    guard = real(torch.device('cuda', 1))  # made, not entered: no GPU needed
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
