@@ -69,16 +69,20 @@ def _load_stat(stats_ptr, plane, b, tok, L, R):
 
 @triton.jit
 def _load_state(ptr, bh, cols, D):
-    """The (BD, BD) fp32 state of (image, head) bh, 0 in padded rows and columns."""
+    """The (BD, BD) fp32 state of (image, head) bh, 0 in padded rows and columns
+    (offsets in int64: windows x heads x d^2 passes 2^31 at d = 128 and 2^17
+    windowed (image, head) pairs)."""
     mask = (cols < D)[:, None] & (cols < D)[None, :]
-    return tl.load(ptr + bh * D * D + cols[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    base = bh.to(tl.int64) * D * D
+    return tl.load(ptr + base + cols[:, None] * D + cols[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
 def _store_state(ptr, vec_ptr, slot, cols, cmask, D, state, vec):
     """A (D, D) state and its (D,) vector into slot ``slot`` of the partials."""
     smask = cmask[:, None] & cmask[None, :]
-    tl.store(ptr + slot * D * D + cols[:, None] * D + cols[None, :], state, mask=smask)
+    base = slot.to(tl.int64) * D * D  # as in _load_state
+    tl.store(ptr + base + cols[:, None] * D + cols[None, :], state, mask=smask)
     tl.store(vec_ptr + slot * D + cols, vec, mask=cmask)
 
 
@@ -415,6 +419,7 @@ INTERPRETED = _interpreting()  # fixed when triton.jit decorated the kernels abo
 # Eight warps: with four, a program's (BLOCK_N, BD) fp32 blocks, its d x d state
 # and the mapping's temporaries overflow the register file (spills) at d = 64.
 NUM_WARPS = 8
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _DEVICES = {}
 
 
@@ -488,6 +493,16 @@ class Plan(NamedTuple):
     warps: int = NUM_WARPS
 
 
+def fit_grid(tokens: int, block_n: int) -> int:
+    """``block_n``, doubled until the blocks of ``tokens`` fit the grid's second
+    axis (the output and key-value gradient passes put them there), which CUDA
+    caps at :data:`MAX_GRID_Y` programs: at 16-token blocks (exact fp32, d = 64)
+    an image of 4096 x 4096 has 2^20 stage-1 tokens, 65,536 blocks."""
+    while triton.cdiv(tokens, block_n) > MAX_GRID_Y:
+        block_n *= 2
+    return block_n
+
+
 def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
          backward: bool = False) -> Plan:
     """Tiling of a (B * h)-by-``tokens`` sweep for head width d.
@@ -511,12 +526,13 @@ def plan(tokens: int, bh: int, d: int, dtype: torch.dtype, sms: int = 132,
     exact = exact_fp32(dtype)
     override = tiling()
     if INTERPRETED:
-        block_n, per = 16, 2
+        block_n, per = fit_grid(tokens, 16), 2
     else:
         block_n = override.get('block') or (max(16, 1024 // bd) if exact else
                                           32 if bd > 64 else 4096 // bd)
         if backward:
             block_n = override.get('bwd_block') or max(16, block_n // 2)
+        block_n = fit_grid(tokens, block_n)
         blocks = triton.cdiv(tokens, block_n)
         per = max(1, triton.cdiv(blocks, max(1, triton.cdiv(override.get('per_sm', 4) * sms,
                                                             bh))))

@@ -317,6 +317,34 @@ def test_tiles_and_auto_head_widths(monkeypatch):
         matmul.allow_tf32 = tf32
 
 
+def test_token_blocks_fit_the_grids_second_axis(monkeypatch):
+    """The output and key-value gradient passes put token blocks on the grid's
+    second axis, which CUDA caps at 65,535: a longer sweep takes larger blocks
+    (a 4096 x 4096 image's 2^20 stage-1 tokens at exact fp32's 16-token
+    blocks), and the kernels stay right with them (a cap of 3 blocks under
+    the interpreter: 64-token blocks for 100 queries and 70 keys)."""
+    kernels = tb.kernels()
+    matmul, tf32 = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    with monkeypatch.context() as m:
+        m.setattr(kernels, 'INTERPRETED', False)
+        try:
+            matmul.allow_tf32 = False
+            for backward in (False, True):
+                big = kernels.plan(2 ** 20, 1, 64, torch.float32, backward=backward)
+                assert big.block_n == 32 and 2 ** 20 // 32 <= kernels.MAX_GRID_Y
+            assert kernels.plan(2 ** 20 - 16, 1, 64, torch.float32).block_n == 16
+        finally:
+            matmul.allow_tf32 = tf32
+    monkeypatch.setattr(kernels, 'MAX_GRID_Y', 3)
+    assert kernels.plan(100, 2, 32, torch.float32).block_n == 64
+    for h, masked in ((2, True), (1, False)):
+        q, k, v, scale, mask, g = inputs(2, 100, 70, 64, torch.float32, masked)
+        got = run('triton', q, k, v, scale, 3.0, h, mask, g)
+        ref = run('reference', q, k, v, scale, 3.0, h, mask, g, torch.float64)
+        for name, x, r in zip(NAMES, got, ref):
+            assert rel_err(x, r) < TOL[torch.float32], name
+
+
 def test_exact_fp32_reads_either_tf32_api():
     """torch's new precision API makes reading the legacy flag raise: both are read
     through exact_fp32, which plan and 'auto' share."""
