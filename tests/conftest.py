@@ -24,7 +24,10 @@ if worker_threads(os.environ) is not None:
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
     yield
+    if torch.get_num_threads() != threads:  # a tool run in-process set its own
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope='session')
