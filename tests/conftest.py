@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 # each worker, and every script a test starts (it inherits OMP_NUM_THREADS), gets
 # its share as torch's thread count, not the whole machine each.
 if worker_threads(os.environ) is not None:
-    os.environ.setdefault('OMP_NUM_THREADS', str(worker_threads(os.environ)))
+    os.environ['OMP_NUM_THREADS'] = str(worker_threads(os.environ))
     torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
 
 

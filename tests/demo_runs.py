@@ -4,18 +4,22 @@ import os.path as osp
 import re
 import subprocess
 import sys
+from typing import Mapping, Optional
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 
-def worker_threads(environ, cpus=None):
+def worker_threads(environ: Mapping[str, str], cpus: Optional[int] = None) -> Optional[int]:
     """Torch threads for one pytest-xdist worker: the cores this process may
-    use, shared among the workers (at least 1); None outside xdist."""
+    use, shared among the workers (at least 1), or a smaller OMP_NUM_THREADS
+    already set; None outside xdist."""
     workers = environ.get('PYTEST_XDIST_WORKER_COUNT')
     if not workers:
         return None
-    cpus = cpus or len(os.sched_getaffinity(0))
-    return max(1, cpus // int(workers))
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    share = max(1, cpus // int(workers))
+    preset = environ.get('OMP_NUM_THREADS', '')
+    return min(share, int(preset)) if preset.isdigit() and int(preset) > 0 else share
 
 
 def run(*args, cwd, env=None, python=True):

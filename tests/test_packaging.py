@@ -11,9 +11,8 @@ import sys
 import zipfile
 
 import pytest
-import yaml
-
 import torch
+import yaml
 
 from demo_runs import ROOT, losses, run, seg_options, worker_threads
 
@@ -141,10 +140,13 @@ def test_make_test_workers_share_the_cores():
     assert worker_threads({'PYTEST_XDIST_WORKER_COUNT': '2'}, cpus=2) == 1
     assert worker_threads({'PYTEST_XDIST_WORKER_COUNT': '2'}, cpus=16) == 8
     assert worker_threads({'PYTEST_XDIST_WORKER_COUNT': '4'}, cpus=2) == 1
+    # a smaller OMP_NUM_THREADS already set is kept, a larger one or a list is not
+    for preset, want in (('3', 3), ('12', 8), ('4,2', 8)):
+        env = {'PYTEST_XDIST_WORKER_COUNT': '2', 'OMP_NUM_THREADS': preset}
+        assert worker_threads(env, cpus=16) == want
     share = worker_threads(os.environ)
     if share is None:
         pytest.skip('one process: the suite runs outside pytest-xdist')
-    want = int(os.environ.get('OMP_NUM_THREADS', share))
-    assert torch.get_num_threads() == want
+    assert os.environ['OMP_NUM_THREADS'] == str(share) and torch.get_num_threads() == share
     out = run('-c', 'import torch; print(torch.get_num_threads())', cwd=ROOT)
-    assert int(out.split()[-1]) == want
+    assert int(out.split()[-1]) == share

@@ -276,15 +276,16 @@ def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor:
 
 # How far the kernels may be from the torch backend on the first-use check:
 # several times the tests' bounds against float64 (test_triton.py), far below
-# the O(1) of a wrong kernel. fp32 where torch allows TF32 takes fp16's bound:
-# both sides' dots then round their operands to fp16's 10-bit mantissa, each
-# in its own order (agree_tol).
+# the O(1) of a wrong kernel. The attention kernels in fp32 where torch allows
+# TF32 take fp16's bound: both sides' dots then round their operands to fp16's
+# 10-bit mantissa, each in its own order (agree_tol).
 AGREE_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 _AGREED = set()
 
 
 def agree_tol(dtype: torch.dtype) -> float:
-    """The first-use check's bound for inputs of ``dtype`` (:data:`AGREE_TOL`)."""
+    """The attention check's bound for inputs of ``dtype`` (:data:`AGREE_TOL`;
+    the conv kernels have no dots: theirs is the dtype's own)."""
     tf32 = dtype == torch.float32 and not exact_fp32(dtype)
     return AGREE_TOL[torch.float16 if tf32 else dtype]
 
@@ -318,13 +319,13 @@ def settled(key: tuple) -> bool:
 
 
 def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Sequence[str],
-                what: str, config: str) -> bool:
+                what: str, config: str, tol: Optional[float] = None) -> bool:
     """Under ``'auto'``, in eager mode, the first call of each configuration ``key``
     of a Triton op ``ours`` is checked against its PyTorch form ``theirs`` on
     ``inputs`` (the call's first images; ``names`` names the output and them,
     ``what`` and ``config`` name the op and the configuration in the warning):
-    output and every input's gradient, each within :data:`AGREE_TOL` of the
-    inputs' dtype (relative norm). Under ``torch.inference_mode``, which allows
+    output and every input's gradient, each within ``tol`` (default
+    :data:`AGREE_TOL` of the inputs' dtype; relative norm). Under ``torch.inference_mode``, which allows
     no gradient, the output alone, and the gradients at the first call outside
     it. On a disagreement (a GPU, driver or Triton on which the kernels compute
     wrong) it warns with the errors, sends this process to the torch backend
@@ -342,7 +343,7 @@ def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Seque
         return False
     errors = {name: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
               for name, a, b in zip(names, ours_out, _probe(theirs, inputs))}
-    tol = agree_tol(inputs[1].dtype)
+    tol = AGREE_TOL[inputs[1].dtype] if tol is None else tol
     if max(errors.values()) <= tol:
         _AGREED.add(_record(key))
         return True
@@ -357,8 +358,11 @@ def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Seque
 def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float, h: int,
                          key_mask: Optional[Tensor]) -> bool:
     """:func:`agrees_once` for the attention kernels: a configuration is the
-    device, dtype, head width, one head or several, and whether a key mask is given."""
-    key = ('attention', q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None)
+    device, dtype, head width, one head or several, whether a key mask is given,
+    and for fp32 whether the dots are exact (other kernels: their precision and
+    token blocks, :func:`.triton_kernels.plan`)."""
+    key = ('attention', q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None,
+           exact_fp32(q.dtype))
     if settled(key):  # before the key count's sync
         return True
     keys = k.shape[1] if key_mask is None else int(key_mask[0].sum())  # one sync, until agreed
@@ -368,7 +372,8 @@ def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: floa
     return agrees_once(key, lambda *t: _kernels_op(*t, p, h, mask),
                        lambda *t: _torch_backend(*t, p, h, mask, False),
                        (q[:1], k[:1], v[:1], scale), ('out', 'q', 'k', 'v', 'scale'),
-                       'attention kernels', f'head width {key[3]}, {h} heads')
+                       'attention kernels', f'head width {key[3]}, {h} heads',
+                       tol=agree_tol(q.dtype))
 
 
 def fall_back_on_first_failure(err: Exception, ran: bool, what: str) -> bool:

@@ -259,6 +259,18 @@ def test_export():
     torch.testing.assert_close(ep.module()(q, k, v, scale), want)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason='needs two GPUs')
+def test_runs_on_the_tensors_gpu_not_the_current_one():
+    """Inputs on cuda:1 while cuda:0 is current: the kernels launch on cuda:1
+    (Triton launches on the current device) and equal the torch backend there."""
+    q, k, v, scale, mask, g = inputs(2, 50, 50, 64, torch.float32, True, device='cuda:1')
+    with torch.cuda.device(0):
+        got = run('triton', q, k, v, scale, 3.0, 2, mask, g)
+    want = run('torch', q, k, v, scale, 3.0, 2, mask, g)
+    for name, x, r in zip(NAMES, got, want):
+        assert x.device == torch.device('cuda', 1) and rel_err(x, r) < 1e-4, name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.parametrize('B,N,n,C,h,masked', [
     (2, 3000, 3000, 96, 3, False),  # Swin/CSwin-like heads, d = 32
@@ -337,12 +349,24 @@ def test_token_blocks_fit_the_grids_second_axis(monkeypatch):
             matmul.allow_tf32 = tf32
     monkeypatch.setattr(kernels, 'MAX_GRID_Y', 3)
     assert kernels.plan(100, 2, 32, torch.float32).block_n == 64
+    grids = []
+
+    class Recorded:  # kernel[grid](...) with the grid kept
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return self.kernel[grid]
+    for name in [n for n in vars(kernels) if n.startswith('_') and n.endswith('_kernel')]:
+        monkeypatch.setattr(kernels, name, Recorded(getattr(kernels, name)))
     for h, masked in ((2, True), (1, False)):
         q, k, v, scale, mask, g = inputs(2, 100, 70, 64, torch.float32, masked)
         got = run('triton', q, k, v, scale, 3.0, h, mask, g)
         ref = run('reference', q, k, v, scale, 3.0, h, mask, g, torch.float64)
         for name, x, r in zip(NAMES, got, ref):
             assert rel_err(x, r) < TOL[torch.float32], name
+    assert len(grids) >= 8 and all(n <= 3 for grid in grids for n in grid[1:]), grids
 
 
 def test_exact_fp32_reads_either_tf32_api():
@@ -361,18 +385,34 @@ def test_exact_fp32_reads_either_tf32_api():
         matmul.fp32_precision = before
 
 
-def test_first_use_bound_follows_the_tf32_setting():
+def test_first_use_bound_follows_the_tf32_setting(monkeypatch):
     """fp32 with TF32 allowed has tf32 dots on both sides, each rounding its
-    operands to 10 bits in its own order: the first-use check takes fp16's bound
-    there, fp32's with IEEE dots."""
+    operands to 10 bits in its own order: the attention check takes fp16's
+    bound there, fp32's with IEEE dots, and checks each setting's kernels (other
+    precision and blocks) apart. Kernels 5e-3 off pass under TF32, not under
+    IEEE; the conv kernels (no dots) keep fp32's bound."""
+    probes = _auto_first_use(monkeypatch)
+    kernels_op = tb._kernels_op
+    monkeypatch.setattr(tb, '_kernels_op', lambda *a: kernels_op(*a) * (1 + 5e-3))
+    q, k, v, scale, mask, g = inputs(1, 37, 37, 64, torch.float32)
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
     try:
         matmul.fp32_precision = 'tf32'
         assert tb.agree_tol(torch.float32) == tb.AGREE_TOL[torch.float16] == 2e-2
+        assert tb._agrees_on_first_use(q, k, v, scale, 3.0, 2, None) and len(probes) == 2
         matmul.fp32_precision = 'ieee'
         assert tb.agree_tol(torch.float32) == 1e-3
         assert tb.agree_tol(torch.bfloat16) == 8e-2
+        with pytest.warns(RuntimeWarning, match=r'out 5\.0e-03'):
+            assert not tb._agrees_on_first_use(q, k, v, scale, 3.0, 2, None)
+        assert len(probes) == 4
+        x, y = torch.randn(2, 3)
+        matmul.fp32_precision = 'tf32'  # the conv's bound, under TF32 too
+        with pytest.warns(RuntimeWarning, match=r'disagree.* out 5\.0e-03'):
+            assert not tb.agrees_once(('conv', ), lambda a, b: a * b * (1 + 5e-3),
+                                      lambda a, b: a * b, (x, y), ('out', 'x', 'y'),
+                                      'conv kernels', '3x3')
     finally:
         matmul.fp32_precision = before
 
@@ -429,7 +469,7 @@ def test_first_use_is_checked_against_the_torch_backend(monkeypatch):
     with torch.inference_mode():
         tb.triton_backend(q, k, v, scale, 3.0, 4, None)
         tb.triton_backend(q, k, v, scale, 3.0, 4, None)
-    assert len(probes) == 6 and ('attention', q.device, q.dtype, 16, False, False,
+    assert len(probes) == 6 and ('attention', q.device, q.dtype, 16, False, False, True,
                                  'forward') in tb._AGREED
     tb.triton_backend(q, k, v, scale, 3.0, 4, None)
     assert len(probes) == 8 and len(tb._AGREED) == 4
