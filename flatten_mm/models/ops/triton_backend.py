@@ -325,9 +325,9 @@ def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Seque
     ``inputs`` (the call's first images; ``names`` names the output and them,
     ``what`` and ``config`` name the op and the configuration in the warning):
     output and every input's gradient, each within ``tol`` (default
-    :data:`AGREE_TOL` of the inputs' dtype; relative norm). Under ``torch.inference_mode``, which allows
-    no gradient, the output alone, and the gradients at the first call outside
-    it. On a disagreement (a GPU, driver or Triton on which the kernels compute
+    :data:`AGREE_TOL` of the inputs' dtype; relative norm). Under
+    ``torch.inference_mode``, which allows no gradient, the output alone, and
+    the gradients at the first call outside it. On a disagreement (a GPU, driver or Triton on which the kernels compute
     wrong) it warns with the errors, sends this process to the torch backend
     and returns False: a wrong kernel is never silent. So does a kernel that
     fails in the check (a backward kernel is built there first). A forced
