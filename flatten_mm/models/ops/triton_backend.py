@@ -62,11 +62,12 @@ Head widths up to :data:`MAX_HEAD_DIM`, padded to a power of two >= 16 for
 ``tl.dot``; ``'auto'`` sends wider heads to the torch backend.
 """
 import contextlib
+import functools
 import importlib.util
 import os
 import warnings
 from types import ModuleType
-from typing import Any, ContextManager, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -147,15 +148,26 @@ def on_device(device: torch.device) -> ContextManager:
     return torch.cuda.device(device) if device.type == 'cuda' else contextlib.nullcontext()
 
 
+def kernel_impl(fn: Callable) -> Callable:
+    """A Triton op's implementation, whose first argument is a tensor on the
+    device of all the others: refused unless the kernels can run there
+    (:func:`check_runnable`), and run under :func:`on_device` of it."""
+    @functools.wraps(fn)  # the op's schema is read from fn's signature
+    def impl(x: Tensor, *args: Any) -> Any:
+        check_runnable(x)
+        with on_device(x.device):
+            return fn(x, *args)
+    return impl
+
+
+@kernel_impl
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
                   num_heads: int, key_mask: Optional[Tensor]
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out, and the fp32 KV, km and row statistics of q and k that backward takes."""
-    check_runnable(q)
     q, k, v = (channel_rows(x) for x in (q, k, v))
-    with on_device(q.device):
-        return tuple(kernels().forward(q, k, v, s_inv.contiguous(), focusing_factor,
-                                       num_heads, key_mask))
+    return tuple(kernels().forward(q, k, v, s_inv.contiguous(), focusing_factor, num_heads,
+                                   key_mask))
 
 
 def _forward_fake(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
@@ -169,16 +181,15 @@ def _forward_fake(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_facto
             q.new_empty((3, B, n), **f32))
 
 
+@kernel_impl
 def _backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
                    km: Tensor, stats_q: Tensor, stats_k: Tensor, focusing_factor: float,
                    num_heads: int, key_mask: Optional[Tensor]
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients for q, k, v and s_inv."""
-    check_runnable(q)
     grad_out, q, k, v = (channel_rows(x) for x in (grad_out, q, k, v))
-    with on_device(q.device):
-        return tuple(kernels().backward(grad_out, q, k, v, s_inv.contiguous(), kv, km, stats_q,
-                                        stats_k, focusing_factor, num_heads, key_mask))
+    return tuple(kernels().backward(grad_out, q, k, v, s_inv.contiguous(), kv, km, stats_q,
+                                    stats_k, focusing_factor, num_heads, key_mask))
 
 
 def _backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
@@ -327,11 +338,11 @@ def agrees_once(key: tuple, ours, theirs, inputs: Sequence[Tensor], names: Seque
     output and every input's gradient, each within ``tol`` (default
     :data:`AGREE_TOL` of the inputs' dtype; relative norm). Under
     ``torch.inference_mode``, which allows no gradient, the output alone, and
-    the gradients at the first call outside it. On a disagreement (a GPU, driver or Triton on which the kernels compute
-    wrong) it warns with the errors, sends this process to the torch backend
-    and returns False: a wrong kernel is never silent. So does a kernel that
-    fails in the check (a backward kernel is built there first). A forced
-    ``'triton'`` is not checked."""
+    the gradients at the first call outside it. On a disagreement (a GPU,
+    driver or Triton on which the kernels compute wrong) it warns with the
+    errors, sends this process to the torch backend and returns False: a wrong
+    kernel is never silent. So does a kernel that fails in the check (a
+    backward kernel is built there first). A forced ``'triton'`` is not checked."""
     if settled(key):
         return True
     try:

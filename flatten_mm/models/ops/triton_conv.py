@@ -29,8 +29,8 @@ from torch import Tensor
 
 from .conv import torch_conv_add
 from .dispatch import register_backend, register_op_pair
-from .triton_backend import (AVAILABLE, DTYPES, agrees_once, channel_rows, check_runnable,
-                             importable, lazy_module, on_device, run_guarded, settled)
+from .triton_backend import (AVAILABLE, DTYPES, agrees_once, channel_rows, importable,
+                             kernel_impl, lazy_module, run_guarded, settled)
 
 _KERNELS = {}
 
@@ -40,18 +40,17 @@ def kernels() -> ModuleType:
     return lazy_module(_KERNELS, 'triton_conv_kernels')
 
 
+@kernel_impl
 def _add_impl(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int) -> Tensor:
     """out (B, P + H*W, C) with DWC(x) added to its last H*W rows (the grid's;
     P prefix tokens, a class token, are copied)."""
-    check_runnable(x)
     out = channel_rows(out)
     P = out.shape[1] - H * W
     result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     if P:
         result[:, :P] = out[:, :P]
-    with on_device(x.device):
-        kernels().conv_add(channel_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:],
-                           (H, W), out=result[:, P:])
+    kernels().conv_add(channel_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:], (H, W),
+                       out=result[:, P:])
     return result
 
 
@@ -59,16 +58,15 @@ def _add_fake(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: i
     return out.new_empty(out.shape)
 
 
+@kernel_impl
 def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor, H: int, W: int
                    ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of x, weight and bias."""
-    check_runnable(x)
     ks, x = kernels(), channel_rows(x)
     grad = channel_rows(grad)[:, grad.shape[1] - H * W:]  # the grid's rows
-    with on_device(x.device):
-        grad_x = ks.conv_add(grad, weight.contiguous(), None, None, (H, W), flip=True,
-                             dtype=x.dtype)
-        grad_w, grad_b = ks.weight_grad(grad, x, weight.shape[-1], (H, W))
+    grad_x = ks.conv_add(grad, weight.contiguous(), None, None, (H, W), flip=True,
+                         dtype=x.dtype)
+    grad_w, grad_b = ks.weight_grad(grad, x, weight.shape[-1], (H, W))
     return grad_x, grad_w.to(weight.dtype), grad_b.to(bias.dtype)
 
 
