@@ -16,9 +16,10 @@ if not torch.cuda.is_available():
 # Under pytest-xdist (`make test` runs `pytest -n 2`) the workers share the cores:
 # each worker, and every script a test starts (it inherits OMP_NUM_THREADS), gets
 # its share as torch's thread count, not the whole machine each.
-if worker_threads(os.environ) is not None:
-    os.environ['OMP_NUM_THREADS'] = str(worker_threads(os.environ))
-    torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
+_share = worker_threads(os.environ)
+if _share is not None:
+    os.environ['OMP_NUM_THREADS'] = str(_share)
+    torch.set_num_threads(_share)
 
 
 @pytest.fixture(autouse=True)
