@@ -7,7 +7,7 @@ unit channel stride and any batch and token strides: V as the layer holds it
 layer's: odd K x K taps per channel, zero padding K // 2, stride 1.
 
 Imported on the first call, like :mod:`.triton_kernels` (whose interpreter
-switch, multiprocessor count and warps it shares).
+switch, multiprocessor count and compile options it shares).
 """
 from typing import NamedTuple, Optional, Tuple
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_kernels import INTERPRETED, sm_count
+from .triton_kernels import COMPILE_OPTIONS, INTERPRETED, sm_count
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def conv_add(x: Tensor, weight: Tensor, bias: Optional[Tensor], base: Optional[T
         x, weight, bias if bias is not None else weight, b_, out, B * L, L, hw[0], hw[1], C,
         x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), out.stride(0), out.stride(1),
         K=K, FLIP=flip, HAS_BIAS=bias is not None, HAS_BASE=base is not None,
-        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS)
+        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS, **COMPILE_OPTIONS)
     return out
 
 
@@ -163,7 +163,7 @@ def weight_grad(g: Tensor, x: Tensor, K: int, hw: Tuple[int, int]) -> Tuple[Tens
     _conv_weight_grad_kernel[(pl.chunks, triton.cdiv(C, pl.block_c))](
         g, x, part, B * L, L, hw[0], hw[1], C, g.stride(0), g.stride(1), x.stride(0),
         x.stride(1), pl.blocks_per_prog, K=K, TAPS=triton.next_power_of_2(K * K + 1),
-        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS)
+        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS, **COMPILE_OPTIONS)
     total = part.sum(0)  # the chunks' partials added here: deterministic, unlike atomics
     # each its own memory: the op's outputs alias nothing and start at offset 0
     return total[:K * K].t().contiguous().view(C, 1, K, K), total[K * K].clone()

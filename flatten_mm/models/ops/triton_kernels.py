@@ -419,6 +419,11 @@ INTERPRETED = _interpreting()  # fixed when triton.jit decorated the kernels abo
 # Eight warps: with four, a program's (BLOCK_N, BD) fp32 blocks, its d x d state
 # and the mapping's temporaries overflow the register file (spills) at d = 64.
 NUM_WARPS = 8
+# Compile options every launch here and in the conv kernels names: FMA
+# contraction (a * b + c rounded once), which every kernel was built, checked and
+# timed with. Triton up to 3.8 defaults to it; 3.9 warns at the first build when
+# a launch leaves it to the default, and 3.10's default turns it off.
+COMPILE_OPTIONS = dict(enable_fp_fusion=True)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _DEVICES = {}
 
@@ -556,7 +561,8 @@ def row_stats(x: Tensor, s_inv: Tensor, p: float, launch: bool = True) -> Tensor
     block_r = max(1, min(64, 4096 // block_c))
     grid = (triton.cdiv(B * L, block_r), )
     _row_stats_kernel[grid](x, s_inv, stats, B * L, L, C, x.stride(0), x.stride(1), p,
-                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
+                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=NUM_WARPS,
+                            **COMPILE_OPTIONS)
     return stats
 
 
@@ -578,7 +584,7 @@ def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.devi
 def _launch_opts(pl: Plan) -> dict:
     """The compile-time arguments every token kernel takes from its plan."""
     return dict(BLOCK_N=pl.block_n, BD=pl.bd, DOT_DTYPE=pl.dot_dtype, PREC=pl.precision,
-                num_warps=pl.warps)
+                num_warps=pl.warps, **COMPILE_OPTIONS)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,

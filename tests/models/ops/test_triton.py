@@ -524,3 +524,35 @@ def test_tiling_override_for_timing_sweeps(monkeypatch):
                        ('blocks=64', "got 'blocks=64'"), ('block=x', "got 'block=x'")):
         with pytest.raises(ValueError, match=named):
             kernels.parse_tiling(bad)
+
+
+def test_every_launch_names_its_compile_options(monkeypatch):
+    """Every kernel launch of the layer's forward and backward (attention with
+    one head and with two, the fused DWC of V) asks for FMA contraction itself,
+    as the kernels were built, checked and timed: triton 3.9 warns at the first
+    build of a launch that leaves it to the default, and 3.10's default is off."""
+    from flatten_mm.models import FocusedLinearAttention
+    from flatten_mm.models.ops import triton_conv as tc
+    launches = []
+
+    class Recorded:  # kernel[grid](...) with the launch's keywords kept
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+    for module in (tb.kernels(), tc.kernels()):
+        for name in [n for n in vars(module) if n.startswith('_') and n.endswith('_kernel')]:
+            monkeypatch.setattr(module, name, Recorded(getattr(module, name), name))
+    for heads in (1, 2):
+        layer = FocusedLinearAttention(32, heads, sr_ratio=3 - heads).to(DEVICE)
+        x = torch.randn(2, 30, 32, device=DEVICE)
+        with use_backend('triton'):
+            layer(x, (5, 6)).square().sum().backward()
+    names = {name for name, _ in launches}
+    assert len(names) >= 9, sorted(names)  # row statistics, 6 token passes, 2 conv
+    bad = [name for name, kwargs in launches if kwargs.get('enable_fp_fusion') is not True]
+    assert not bad, bad
