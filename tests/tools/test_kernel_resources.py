@@ -1,5 +1,6 @@
 """tools/analysis_tools/kernel_resources.py: the attention core's Triton kernels
-built for an H100/H200 (sm_90) by triton's compiler and ptxas, without a GPU.
+built for an H100/H200 (sm_90), an A100 (sm_80) and Blackwell GPUs (sm_100,
+sm_120) by triton's compiler and ptxas, without a GPU.
 
 The interpreter (which runs the kernels' arithmetic in the other tests) never
 builds them; this does, with the GPU's tiling, and holds each kernel to no
@@ -22,7 +23,8 @@ HEADS = ['_row_stats_kernel'] * 2 + FORWARD + [
     '_query_state_grad_kernel', '_query_grad_kernel', '_key_value_grad_kernel',
     '_key_grad_kernel']
 ONE_HEAD = FORWARD + ['_query_grad_kernel', '_key_grad_kernel']
-# before sm_90 the one-head query side keeps its two passes (fused, it spilled)
+# on GPUs with only the warp-level MMA (sm_80-89, sm_120) the one-head query side
+# keeps its two passes (fused, it spilled)
 ONE_HEAD_SM80 = FORWARD + ['_query_state_grad_kernel', '_query_grad_kernel', '_key_grad_kernel']
 # the fused out + DWC(V): forward, V's gradient (the same kernel), weight gradient
 CONV = ['_conv_add_kernel'] * 2 + ['_conv_weight_grad_kernel']
@@ -51,7 +53,7 @@ def build(tmp_path, arch, *args):
         by_case.setdefault((row['case'], row['dtype']), []).append(row)
     for (case, dtype), built in by_case.items():
         names = [row['kernel'] for row in built]
-        one_head = ONE_HEAD if arch >= 90 else ONE_HEAD_SM80
+        one_head = ONE_HEAD if 90 <= arch < 120 else ONE_HEAD_SM80
         assert names == (one_head if case.endswith('x1') else HEADS) + CONV, (case, dtype)
     for row in rows:
         assert row['spill_stores'] == row['spill_loads'] == 0, row
@@ -63,7 +65,7 @@ def build(tmp_path, arch, *args):
         # builds for one block per program (an argument equal to 1 is a constant)
         assert row['blocks_per_prog'] is None or row['blocks_per_prog'] >= 2, row
         # every dot on tensor cores (bf16; fp16 and TF32: tf32), none for IEEE fp32
-        tensor_core = row['wgmma'] + row['mma_sync'] > 0
+        tensor_core = row['wgmma'] + row['mma_sync'] + row['tcgen05'] > 0
         ieee = row['dtype'] == 'fp32' and '--tf32' not in args
         assert tensor_core == (row['kernel'] not in NO_DOT and not ieee), row
     return by_case
@@ -99,3 +101,18 @@ def test_fp32_kernels_with_tf32_allowed_build_without_spills(tmp_path):
 def test_bf16_kernels_build_for_sm80_without_spills(tmp_path):
     """A100s: where a fused one-head query pass spilled (224 bytes at d = 64)."""
     assert len(build(tmp_path, 80, '--dtypes', 'bf16')) == 4
+
+
+@pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
+@pytest.mark.parametrize('arch', [100, 120])
+def test_half_kernels_build_for_blackwell_without_spills(tmp_path, arch):
+    """B200 (sm_100: tcgen05 dots) and the RTX 50 series (sm_120: warp-level
+    dots, where the fused one-head query pass spilled 212 bytes at d = 64, bf16)."""
+    by_case = build(tmp_path, arch, '--dtypes', 'bf16', 'fp16')
+    assert len(by_case) == 4 * 2
+    # every dot on tensor cores (build): on sm_100 the 64-wide products take
+    # Blackwell's MMA; sm_120 has only the warp-level one
+    tcgen05 = {(r['case'], r['kernel']) for rows in by_case.values() for r in rows
+               if r['tcgen05']}
+    assert (('64x1', '_output_kernel') in tcgen05) == (arch == 100), sorted(tcgen05)
+    assert bool(tcgen05) == (arch == 100), sorted(tcgen05)

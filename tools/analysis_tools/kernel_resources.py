@@ -9,7 +9,8 @@ run on CPU tensors with the launches recorded instead of made; tiling, operand
 dtypes and constexprs are the GPU's, not the interpreter's), by Triton's own
 compiler for ``--arch`` and then ``ptxas -v``; the tensor-core instructions
 of its PTX are counted (``wgmma``: Hopper's warpgroup MMA; ``mma``: the
-warp-level one), so a dot that fell back to FMAs shows. The recorded problem is large
+warp-level one; ``tcgen05``: Blackwell's, sm_100-110), so a dot that fell back
+to FMAs shows. The recorded problem is large
 enough that every chunked kernel loops over two blocks or more, as at real
 sizes: Triton compiles an integer argument equal to 1 as a constant, so a
 problem of one block per program would build smaller, loop-free kernels than
@@ -42,8 +43,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 DTYPES = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
 CASE = re.compile(r'(\d+)x(\d+)(m?)$')
-# tensor-core instructions in PTX: Hopper's warpgroup MMA, and the warp-level one
+# tensor-core instructions in PTX: Hopper's warpgroup MMA, the warp-level one,
+# and Blackwell's (sm_100-110: operands in shared memory, accumulator in tensor memory)
 WGMMA, MMA = re.compile(r'\bwgmma\.mma_async\.'), re.compile(r'\bmma\.sync\.')
+TCGEN05 = re.compile(r'\btcgen05\.mma\b')
 PTXAS = re.compile(r'(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers',
                    re.S)
 
@@ -144,6 +147,7 @@ def build(fn, args: tuple, kwargs: dict, arch: int) -> dict:
                 seconds=round(time.perf_counter() - start, 2),
                 wgmma=len(WGMMA.findall(compiled.asm['ptx'])),
                 mma_sync=len(MMA.findall(compiled.asm['ptx'])),
+                tcgen05=len(TCGEN05.findall(compiled.asm['ptx'])),
                 **ptxas_usage(compiled.asm['ptx'], arch))
 
 
@@ -171,7 +175,7 @@ def main(argv=None) -> list:
         torch.backends.cuda.matmul.fp32_precision = 'tf32'
     rows = []
     print(f'{"kernel":26} {"case":7} {"dtype":5} {"regs":>4} {"spill st/ld":>11} {"shared":>7} '
-          f'{"wgmma/mma":>9}')
+          f'{"wgmma/mma/tcgen05":>17}')
     for d, heads, masked in args.cases:
         case = f'{d}x{heads}{"m" if masked else ""}'
         for name in args.dtypes:
@@ -180,7 +184,7 @@ def main(argv=None) -> list:
                 rows.append(row)
                 print(f'{row["kernel"]:26} {case:7} {name:5} {row["registers"]:4d} '
                       f'{row["spill_stores"]:5d}/{row["spill_loads"]:<5d} {row["shared"]:7d} '
-                      f'{row["wgmma"]:4d}/{row["mma_sync"]:<4d}')
+                      f'{row["wgmma"]:6d}/{row["mma_sync"]:d}/{row["tcgen05"]:d}')
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

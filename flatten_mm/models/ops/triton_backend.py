@@ -43,8 +43,9 @@ so each side has a pass computing per-(row, head) shares of it (stored as
 4. keys: dk and the partial gradient of s_inv.
 
 With one head a row's c has one share, its own: passes 3 and 4 are one pass,
-and on sm_90 and later so are 1 and 2 (q, g, k and v read once each; before
-sm_90 that fused query pass spills registers).
+and on sm_90 to sm_110 so are 1 and 2 (q, g, k and v read once each; on GPUs
+with only the warp-level MMA, sm_80-89 and sm_120, that fused query pass spills
+registers: ``triton_kernels.fuses_query_passes``).
 
 Precision: statistics, normalisers, states and accumulators are fp32; only the
 dots' operands are narrowed. bf16 inputs take bf16 operands (u, phi, the states

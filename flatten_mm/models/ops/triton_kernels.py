@@ -617,14 +617,24 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
     return out, kv, km, stats_q, stats_k
 
 
+def fuses_query_passes(cap: Tuple[int, int]) -> bool:
+    """Whether a GPU of compute capability ``cap`` runs the one-head query
+    gradient as one pass that also makes the state gradients: where that pass
+    fits in the registers. It does on sm_90 (warpgroup MMA) and sm_100-110
+    (Blackwell's tensor-memory MMA); on GPUs with only the warp-level MMA it
+    spills, and the two passes do not (ptxas at d = 64, bf16: 224 bytes a
+    thread on sm_80, 212 on sm_120 and sm_121, the RTX 50 series;
+    ``kernel_resources.py``)."""
+    return 9 <= cap[0] <= 11
+
+
 def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
                     stats_q: Tensor, p: float, h: int, dtype: torch.dtype) -> Tuple[Tensor, ...]:
     """dq, the per-channel gradient of s_inv through q, and the gradients of KV and km.
-    One head: one pass (the dq pass makes the partials too), but before sm_90,
-    where that pass spills registers (ptxas, sm_80: 224 bytes a thread at d = 64,
-    bf16) and the two passes do not; else two."""
+    One head, where :func:`fuses_query_passes`: one pass (the dq pass makes the
+    partials too); else two."""
     B, N, C = q.shape
-    d, fused = C // h, h == 1 and capability(q.device) >= (9, 0)
+    d, fused = C // h, h == 1 and fuses_query_passes(capability(q.device))
     f32 = dict(dtype=torch.float32, device=q.device)
     qp = plan(N, B * h, d, dtype, sm_count(q.device), backward=True)
     dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)

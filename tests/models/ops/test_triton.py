@@ -417,9 +417,10 @@ def test_first_use_bound_follows_the_tf32_setting(monkeypatch):
         matmul.fp32_precision = before
 
 
-def test_one_head_before_sm90_keeps_two_query_passes(monkeypatch):
-    """Before sm_90 the one-head query side runs as with several heads (the fused
-    pass spills there): the same values and gradients."""
+def test_one_head_keeps_two_query_passes_where_the_fused_one_spills(monkeypatch):
+    """On GPUs with only the warp-level MMA (sm_80-89, sm_120) the one-head query
+    side runs as with several heads (the fused pass spills there): the same
+    values and gradients. sm_90 to sm_110 fuse it."""
     kernels = tb.kernels()
     launched = []
     real = kernels._query_state_grad_kernel
@@ -435,6 +436,9 @@ def test_one_head_before_sm90_keeps_two_query_passes(monkeypatch):
     monkeypatch.setattr(kernels, 'capability', lambda device: (9, 0))
     check(torch.float32, 2, 37, 10, 32, 1, 3.0, True)
     assert len(launched) == 1  # fused on sm_90: no separate pass
+    assert [kernels.fuses_query_passes(cap) for cap in ((8, 6), (8, 9), (9, 0), (10, 0),
+                                                         (10, 3), (11, 0), (12, 0), (12, 1))] \
+        == [False, False, True, True, True, True, False, False]
 
 
 def _auto_first_use(monkeypatch):
