@@ -15,7 +15,8 @@ import pytest
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'kernel_resources.py')
-SHARED_PER_PROGRAM = 227 * 1024  # the most one block may take on sm_90
+# the most shared memory one block may take (opt-in), by architecture
+SHARED_PER_PROGRAM = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 FORWARD = ['_kv_state_kernel', '_output_kernel']
 # several heads: row statistics of q and k, and two backward passes a side;
 # one head: the token kernels make the statistics, and one pass a side
@@ -57,7 +58,7 @@ def build(tmp_path, arch, *args):
         assert names == (one_head if case.endswith('x1') else HEADS) + CONV, (case, dtype)
     for row in rows:
         assert row['spill_stores'] == row['spill_loads'] == 0, row
-        assert row['shared'] <= SHARED_PER_PROGRAM, row
+        assert row['shared'] <= SHARED_PER_PROGRAM[arch], row
         # every kernel with a dot or a reduction stages through shared memory
         assert row['shared'] > 0 or row['kernel'] == '_conv_add_kernel', row
         assert row['num_warps'] == 8, row
