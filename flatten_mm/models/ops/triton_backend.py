@@ -2,7 +2,7 @@
 and backward, as two ``torch.library`` custom ops.
 
 Registered in :mod:`.dispatch` only when ``triton`` is installed; ``'auto'`` picks it
-for CUDA tensors in fp16, bf16 or fp32. On CPU tensors it runs only under
+for CUDA tensors in fp16, bf16 or fp32 on GPUs of sm_80 and later. On CPU tensors it runs only under
 Triton's interpreter, which is how the tests run it: ``TRITON_INTERPRET=1``
 must be set before triton is first imported (torch's custom-op machinery
 imports it, so before ``torch``), since triton's own library functions are
@@ -88,6 +88,9 @@ MAX_HEAD_DIM = 128  # d x d fp32 states per program: wider heads would spill reg
 # at d = 128), so 'auto' sends such heads to the torch backend (cuBLAS).
 MAX_EXACT_HEAD_DIM = 64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Triton's supported GPUs, and the first with the bf16 and tf32 tensor-core dots
+# the kernels are built on; 'auto' keeps older ones (V100, T4) on the torch backend
+MIN_CAPABILITY = (8, 0)
 _KERNELS = {}
 
 
@@ -114,19 +117,32 @@ def _importable_when_traced() -> bool:
 
 
 def importable() -> bool:
-    """Whether the kernels import here (triton present and working); asked once,
-    by an eager call: inside a torch.compile trace an import would break the
-    graph (see :func:`_importable_when_traced`). A graph keeps the answer it was
-    traced with."""
+    """Whether ``'auto'`` may run the kernels in this process: they import here
+    (triton present and working) and every CUDA device is one they are built
+    for (:func:`gpus_supported`). Asked once, by an eager call: inside a
+    torch.compile trace an import would break the graph (see
+    :func:`_importable_when_traced`). A graph keeps the answer it was traced with."""
     if torch.compiler.is_compiling():
         return _importable_when_traced()
     if 'importable' not in _KERNELS:
         try:
             kernels()
-            _KERNELS['importable'] = True
+            _KERNELS['importable'] = gpus_supported()
         except Exception:  # a broken triton: 'auto' keeps to the torch backend
             _KERNELS['importable'] = False
     return _KERNELS['importable']
+
+
+def gpus_supported() -> bool:
+    """Whether every CUDA device of the process has compute capability
+    :data:`MIN_CAPABILITY` or later (True with none: the interpreter, fake CUDA
+    tensors). Before sm_80 (V100, T4) triton has no bf16 or tf32 tensor-core
+    dot: built for sm_75, no kernel has a tensor-core instruction and the bf16
+    state and output kernels spill 116-516 bytes a thread (``kernel_resources.py
+    --arch 75``), where the torch backend runs cuBLAS. A forced ``'triton'``
+    still runs there."""
+    return all(torch.cuda.get_device_capability(i) >= MIN_CAPABILITY
+               for i in range(torch.cuda.device_count()))
 
 
 def interpreted() -> bool:
@@ -419,8 +435,8 @@ def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
              num_heads: int) -> bool:
     """``'auto'`` takes this backend for CUDA tensors of one supported dtype and
     heads up to :data:`MAX_HEAD_DIM` channels (:data:`MAX_EXACT_HEAD_DIM` for
-    fp32 without TF32). Shapes, heads dividing C and the mask's dtype the
-    dispatcher has checked (:func:`.dispatch.check_call`)."""
+    fp32 without TF32) where :func:`importable`. Shapes, heads dividing C and
+    the mask's dtype the dispatcher has checked (:func:`.dispatch.check_call`)."""
     return (q.device.type == 'cuda' and v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
             and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and importable())
 

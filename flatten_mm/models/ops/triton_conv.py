@@ -18,7 +18,8 @@ gradients are one sweep over the rows that reads each block of the output
 gradient once for all K x K taps, in chunks whose fp32 partials torch adds.
 
 :func:`.conv.depthwise_conv_add` takes this form under the ``'triton'`` backend,
-and under ``'auto'`` for CUDA tensors, each first configuration checked against
+and under ``'auto'`` for CUDA tensors on sm_80 and later
+(:func:`.triton_backend.importable`), each first configuration checked against
 the PyTorch path as the attention kernels are (:func:`.triton_backend.agrees_once`).
 """
 from types import ModuleType

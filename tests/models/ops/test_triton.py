@@ -560,3 +560,22 @@ def test_every_launch_names_its_compile_options(monkeypatch):
     assert len(names) >= 9, sorted(names)  # row statistics, 6 token passes, 2 conv
     bad = [name for name, kwargs in launches if kwargs.get('enable_fp_fusion') is not True]
     assert not bad, bad
+
+
+def test_auto_keeps_gpus_before_sm80_on_the_torch_backend(monkeypatch):
+    """Kernels whose dots would all be emulated (V100, T4: no bf16 or tf32 tensor
+    cores, and unsupported by triton) are not 'auto''s choice when any GPU of
+    the process is older than sm_80: CUDA tensors (fake ones here) go to torch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    caps = {0: (9, 0), 1: (7, 5)}
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda i=None: caps[i])
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 49, 64).to('cuda') for _ in range(3))
+    monkeypatch.setitem(tb._KERNELS, 'importable', None)  # the process's answer restored after
+    answers = []
+    for older in ((7, 5), (7, 0), (8, 0), (8, 6), (12, 0)):
+        caps[1] = older
+        del tb._KERNELS['importable']  # asked again
+        answers.append((tb.importable(), tb.supports(q, k, v, None, 2)))
+    assert answers == [(False, False)] * 2 + [(True, True)] * 3
