@@ -119,7 +119,7 @@ def compile_forward(name: str, sizes: list, dtype: str, batch: int) -> list:
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, fullgraph=True, backend=backend)
-        with use_backend('auto'), cuda_autocast_without_gpu(), fake_mode:
+        with use_backend('auto'), cuda_autocast_without_gpu(), built_for_gpu(), fake_mode:
             for size in sizes:
                 compiled(torch.randn(batch, 3, *size, device='cuda'))
     finally:
@@ -265,9 +265,19 @@ def run_backward(loss: torch.Tensor) -> None:
 def on_fake_gpu(fake_mode, backend: str = 'auto'):
     """Calls take the branches a GPU takes, on fake CUDA tensors: the core on
     ``backend``, CUDA autocast, softmax attention as the GPU's fused kernel
-    (:func:`fused_sdpa`)."""
+    (:func:`fused_sdpa`), the Triton ops as on a GPU they are built for."""
     with mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa), \
-            use_backend(backend), cuda_autocast_without_gpu(), fake_mode:
+            use_backend(backend), cuda_autocast_without_gpu(), built_for_gpu(), fake_mode:
+        yield
+
+
+@contextlib.contextmanager
+def built_for_gpu():
+    """'auto' takes the Triton ops for fake CUDA tensors whatever GPU this machine
+    has (a V100's capability would send them to torch: ``gpu_supported``)."""
+    from flatten_mm.models.ops import triton_backend, triton_conv
+    with mock.patch.object(triton_backend, 'gpu_supported', lambda index: True), \
+            mock.patch.object(triton_conv, 'gpu_supported', lambda index: True):
         yield
 
 

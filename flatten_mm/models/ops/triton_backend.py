@@ -117,32 +117,48 @@ def _importable_when_traced() -> bool:
 
 
 def importable() -> bool:
-    """Whether ``'auto'`` may run the kernels in this process: they import here
-    (triton present and working) and every CUDA device is one they are built
-    for (:func:`gpus_supported`). Asked once, by an eager call: inside a
-    torch.compile trace an import would break the graph (see
-    :func:`_importable_when_traced`). A graph keeps the answer it was traced with."""
+    """Whether the kernels import here (triton present and working); asked once,
+    by an eager call: inside a torch.compile trace an import would break the
+    graph (see :func:`_importable_when_traced`). A graph keeps the answer it was
+    traced with."""
     if torch.compiler.is_compiling():
         return _importable_when_traced()
     if 'importable' not in _KERNELS:
         try:
             kernels()
-            _KERNELS['importable'] = gpus_supported()
+            _KERNELS['importable'] = True
         except Exception:  # a broken triton: 'auto' keeps to the torch backend
             _KERNELS['importable'] = False
     return _KERNELS['importable']
 
 
-def gpus_supported() -> bool:
-    """Whether every CUDA device of the process has compute capability
-    :data:`MIN_CAPABILITY` or later (True with none: the interpreter, fake CUDA
-    tensors). Before sm_80 (V100, T4) triton has no bf16 or tf32 tensor-core
-    dot: built for sm_75, no kernel has a tensor-core instruction and the bf16
-    state and output kernels spill 116-516 bytes a thread (``kernel_resources.py
-    --arch 75``), where the torch backend runs cuBLAS. A forced ``'triton'``
-    still runs there."""
-    return all(torch.cuda.get_device_capability(i) >= MIN_CAPABILITY
-               for i in range(torch.cuda.device_count()))
+_GPUS = {}  # CUDA device index -> whether the kernels are built for it
+
+
+@torch.compiler.assume_constant_result
+def gpu_supported(index: Optional[int]) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) has compute
+    capability :data:`MIN_CAPABILITY` or later; asked once a device. Before
+    sm_80 (V100, T4) triton has no bf16 or tf32 tensor-core dot: built for
+    sm_75, no kernel has a tensor-core instruction and the bf16 state and output
+    kernels spill 116-516 bytes a thread (``kernel_resources.py --arch 75``),
+    where the torch backend runs cuBLAS. A forced ``'triton'`` still runs there.
+    True without CUDA (the interpreter; fake CUDA tensors, traced as for the
+    GPUs the kernels are built for). A constant to torch.compile: the query runs
+    while tracing, outside the graph, which keeps the answer."""
+    if index not in _GPUS:
+        cap = _capability(index)
+        _GPUS[index] = cap is None or cap >= MIN_CAPABILITY
+    return _GPUS[index]
+
+
+def _capability(index: Optional[int]) -> Optional[Tuple[int, int]]:
+    """Compute capability of CUDA device ``index`` (None: the current one);
+    None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(
+        index if index is not None else torch.cuda.current_device())
 
 
 def interpreted() -> bool:
@@ -435,10 +451,12 @@ def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
              num_heads: int) -> bool:
     """``'auto'`` takes this backend for CUDA tensors of one supported dtype and
     heads up to :data:`MAX_HEAD_DIM` channels (:data:`MAX_EXACT_HEAD_DIM` for
-    fp32 without TF32) where :func:`importable`. Shapes, heads dividing C and
-    the mask's dtype the dispatcher has checked (:func:`.dispatch.check_call`)."""
+    fp32 without TF32) on GPUs the kernels are built for (:func:`gpu_supported`)
+    where they import. Shapes, heads dividing C and the mask's dtype the
+    dispatcher has checked (:func:`.dispatch.check_call`)."""
     return (q.device.type == 'cuda' and v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
-            and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and importable())
+            and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and importable()
+            and gpu_supported(q.device.index))
 
 
 if AVAILABLE:

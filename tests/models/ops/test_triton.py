@@ -433,9 +433,10 @@ def test_one_head_keeps_two_query_passes_where_the_fused_one_spills(monkeypatch)
     monkeypatch.setattr(kernels, '_query_state_grad_kernel', Counting())
     check(torch.float32, 2, 37, 10, 32, 1, 3.0, True)
     assert len(launched) == 1
-    monkeypatch.setattr(kernels, 'capability', lambda device: (9, 0))
-    check(torch.float32, 2, 37, 10, 32, 1, 3.0, True)
-    assert len(launched) == 1  # fused on sm_90: no separate pass
+    for cap, passes in (((9, 0), 1), ((10, 0), 1), ((12, 0), 2)):
+        monkeypatch.setattr(kernels, 'capability', lambda device: cap)
+        check(torch.float32, 2, 37, 10, 32, 1, 3.0, True)
+        assert len(launched) == passes, cap  # fused on sm_90 and sm_100, not sm_120
     assert [kernels.fuses_query_passes(cap) for cap in ((8, 6), (8, 9), (9, 0), (10, 0),
                                                          (10, 3), (11, 0), (12, 0), (12, 1))] \
         == [False, False, True, True, True, True, False, False]
@@ -556,26 +557,66 @@ def test_every_launch_names_its_compile_options(monkeypatch):
         x = torch.randn(2, 30, 32, device=DEVICE)
         with use_backend('triton'):
             layer(x, (5, 6)).square().sum().backward()
-    names = {name for name, _ in launches}
-    assert len(names) >= 9, sorted(names)  # row statistics, 6 token passes, 2 conv
+    kernels = {name for module in (tb.kernels(), tc.kernels()) for name in vars(module)
+               if name.startswith('_') and name.endswith('_kernel')}
+    # every kernel: row statistics, 6 token passes, 2 conv
+    assert {name for name, _ in launches} == kernels and len(kernels) == 9, sorted(kernels)
     bad = [name for name, kwargs in launches if kwargs.get('enable_fp_fusion') is not True]
     assert not bad, bad
 
 
+def old_and_new_gpus(monkeypatch, caps: dict) -> None:
+    """CUDA devices of these capabilities (index -> (major, minor)), for the
+    checks that read them; nothing runs on them."""
+    monkeypatch.setattr(tb, '_capability', lambda i: caps[0 if i is None else i])
+    monkeypatch.setattr(tb, '_GPUS', {})
+
+
 def test_auto_keeps_gpus_before_sm80_on_the_torch_backend(monkeypatch):
     """Kernels whose dots would all be emulated (V100, T4: no bf16 or tf32 tensor
-    cores, and unsupported by triton) are not 'auto''s choice when any GPU of
-    the process is older than sm_80: CUDA tensors (fake ones here) go to torch."""
+    cores, and unsupported by triton) are not 'auto''s choice on such a GPU,
+    for the attention and the fused DWC alike, while a newer GPU of the same
+    process takes them (fake CUDA tensors here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    caps = {0: (9, 0), 1: (7, 5)}
-    monkeypatch.setattr(torch.cuda, 'device_count', lambda: len(caps))
-    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda i=None: caps[i])
-    with FakeTensorMode():
-        q, k, v = (torch.empty(2, 49, 64).to('cuda') for _ in range(3))
-    monkeypatch.setitem(tb._KERNELS, 'importable', None)  # the process's answer restored after
+
+    from flatten_mm.models.ops import triton_conv as tc
+    caps = {0: (9, 0)}
+    old_and_new_gpus(monkeypatch, caps)
     answers = []
     for older in ((7, 5), (7, 0), (8, 0), (8, 6), (12, 0)):
         caps[1] = older
-        del tb._KERNELS['importable']  # asked again
-        answers.append((tb.importable(), tb.supports(q, k, v, None, 2)))
-    assert answers == [(False, False)] * 2 + [(True, True)] * 3
+        tb._GPUS.clear()
+        for device in ('cuda:1', 'cuda:0'):
+            with FakeTensorMode():
+                q, k, v = (torch.empty(2, 49, 64).to(device) for _ in range(3))
+                w, b = torch.empty(64, 1, 5, 5).to(device), torch.empty(64).to(device)
+            answers.append((tb.supports(q, k, v, None, 2), tc.supports(q, v, w, b)))
+    new = [(True, True)]
+    assert answers == [(False, False)] + new + [(False, False)] + new + new * 6
+
+
+def test_a_graph_traced_first_keeps_an_old_gpu_on_the_torch_backend(monkeypatch):
+    """mmengine's compile=True traces before any eager call: the capability is
+    asked while tracing, not taken as supported, and is a constant to the graph
+    (no guard on the cache: another device asked later recompiles nothing)."""
+    caps = {0: (7, 5), 1: (9, 0)}
+    old_and_new_gpus(monkeypatch, caps)
+    graphs = []
+
+    def backend(gm, _):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda x: x + 1 if tb.gpu_supported(0) else x - 1, fullgraph=True,
+                           backend=backend)
+        assert torch.equal(fn(torch.zeros(2)), -torch.ones(2))
+        assert tb.gpu_supported(1) and torch.equal(fn(torch.zeros(2)), -torch.ones(2))
+        assert len(graphs) == 1
+        caps[0] = (9, 0)
+        tb._GPUS.clear()
+        torch._dynamo.reset()
+        assert torch.equal(fn(torch.zeros(2)), torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 2
