@@ -56,10 +56,13 @@ setup(
     long_description=open('README.md').read() if os.path.exists('README.md') else '',
     long_description_content_type='text/markdown',
     license='Apache License 2.0',
-    python_requires='>=3.8',
+    python_requires='>=3.10',  # torch >= 2.11's
     packages=find_packages(exclude=('tests', 'tests.*', 'configs', 'tools')),
     include_package_data=True,
-    install_requires=[f"torch>={VERSION_FILE['TORCH_MINIMUM']}", 'mmengine>=0.10.0,<1.0'],
+    # mmengine (0.10.7 and before) looks up the packages of `mmdet::` / `mmseg::`
+    # config bases through pkg_resources, which setuptools 82 removed
+    install_requires=[f"torch>={VERSION_FILE['TORCH_MINIMUM']}", 'mmengine>=0.10.0,<1.0',
+                      'setuptools<82'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.0.0,<3.4.0'],
         'seg': ['mmcv>=2.0.0,<2.2.0', 'mmsegmentation>=1.0.0,<1.3.0'],

@@ -75,7 +75,9 @@ def test_wheel_ships_mim_files_and_mim_trains_from_it(shapes, tmp_path):
     assert not any(n.startswith('tests/') for n in names)
     metadata = next(zipfile.ZipFile(wheel).read(n).decode() for n in names
                     if n.endswith('.dist-info/METADATA'))
-    assert 'Requires-Dist: torch>=2.11' in metadata.splitlines()
+    lines = metadata.splitlines()
+    assert 'Requires-Dist: torch>=2.11' in lines and 'Requires-Dist: setuptools<82' in lines
+    assert 'Requires-Python: >=3.10' in lines
 
     # mim's own installer (pip underneath) with the wheel, into a separate folder
     mim('install', wheel, '--no-deps', '--target', target,

@@ -16,13 +16,39 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
 
 
+def read_config(path: str) -> Config:
+    """``Config.fromfile(path)``, with a clear error where mmengine cannot look up
+    the packages of ``mmdet::`` / ``mmseg::`` bases: it does so through
+    ``pkg_resources``, which setuptools 82 removed (and torch asks for a
+    setuptools of 77 or later, so pip may install the newest)."""
+    try:
+        return Config.fromfile(path)
+    except ModuleNotFoundError as err:
+        if err.name != 'pkg_resources':
+            raise
+        raise ModuleNotFoundError(
+            f'{path} inherits an installed package\'s configs, which mmengine looks '
+            f'up through pkg_resources, and setuptools {setuptools_version()} has none '
+            f'(setuptools 82 removed it): pip install "setuptools<82"',
+            name='pkg_resources') from err
+
+
+def setuptools_version() -> str:
+    """The installed setuptools' version, or 'not installed'."""
+    from importlib import metadata
+    try:
+        return metadata.version('setuptools')
+    except metadata.PackageNotFoundError:
+        return 'not installed'
+
+
 def load_config(args) -> Config:
     """Read ``args.config`` with flatten_mm imported, apply --cfg-options,
     --launcher and --work-dir (default ``work_dirs/<config name>``); without a
     GPU, set distributed runs up for gloo."""
     import flatten_mm  # registers the backbones; fixes checkpoint loading
     os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
-    cfg = Config.fromfile(args.config)
+    cfg = read_config(args.config)
     cfg.launcher = args.launcher
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)

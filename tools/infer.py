@@ -9,7 +9,7 @@ through mmseg's MMSegInferencer; pictures land in OUT_DIR/vis/.
 import argparse
 import os.path as osp
 
-from mmengine.config import Config
+from common import read_config
 
 
 def parse_args(argv=None):
@@ -30,7 +30,7 @@ def main(argv=None):
     for path in [args.config, args.checkpoint, *args.images]:
         if not osp.isfile(path):
             raise SystemExit(f'file not found: {path}')
-    scope = Config.fromfile(args.config).get('default_scope')
+    scope = read_config(args.config).get('default_scope')
     if scope == 'mmdet':
         from mmdet.apis import DetInferencer
         inferencer = DetInferencer(model=args.config, weights=args.checkpoint,

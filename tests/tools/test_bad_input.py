@@ -15,9 +15,10 @@ import flatten_mm  # noqa: F401,E402  (registers the timm names the checkpoints 
 SEG = osp.join(ROOT, 'configs/demo/fpn_flatten-pvt-t_shapes.py')
 
 
-def train_error(*args, cwd=ROOT):
-    """Run tools/train.py, expect it to fail, return its last output line."""
-    env = dict(os.environ, PYTHONWARNINGS='ignore')
+def train_error(*args, cwd=ROOT, **env):
+    """Run tools/train.py (with these environment variables), expect it to fail,
+    return its last output line."""
+    env = dict(os.environ, PYTHONWARNINGS='ignore', **env)
     proc = subprocess.run([sys.executable, osp.join(ROOT, 'tools/train.py'), *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, proc.stdout[-2000:]
@@ -80,3 +81,18 @@ def test_amp_without_gpu_says_so(tmp_path):
         pytest.skip('a GPU is present: --amp works')
     last = train_error(SEG, '--amp', '--work-dir', str(tmp_path / 'w'))
     assert "--amp needs a GPU: mmengine's AmpOptimWrapper does not run on the CPU" in last
+
+
+def test_setuptools_without_pkg_resources_says_so(shapes, tmp_path):
+    """setuptools 82 removed pkg_resources, through which mmengine looks up the
+    package of an ``mmdet::`` / ``mmseg::`` base (every config here has one)."""
+    blocker = tmp_path / 'site' / 'pkg_resources'
+    blocker.mkdir(parents=True)  # as if setuptools >= 82: no such module
+    (blocker / '__init__.py').write_text(
+        "raise ModuleNotFoundError(\"No module named 'pkg_resources'\", name='pkg_resources')\n")
+    path = os.pathsep.join([str(tmp_path / 'site'), os.environ.get('PYTHONPATH', '')])
+    last = train_error(SEG, '--work-dir', str(tmp_path / 'w'), *seg_options(shapes, 1),
+                       PYTHONPATH=path)
+    assert last.startswith(f"ModuleNotFoundError: {SEG} inherits an installed package's "
+                           'configs, which mmengine looks up through pkg_resources'), last
+    assert last.endswith('(setuptools 82 removed it): pip install "setuptools<82"'), last
