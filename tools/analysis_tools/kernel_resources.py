@@ -154,7 +154,8 @@ def build(fn, args: tuple, kwargs: dict, arch: int) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--arch', type=int, default=90,
-                        help='compute capability as one number (90: H100/H200, 80: A100)')
+                        help='compute capability as one number (90: H100/H200, 80: A100, '
+                        '100: B200, 120: RTX 50 series)')
     parser.add_argument('--cases', nargs='+', type=parse_case,
                         default=[parse_case(c) for c in ('32x3m', '64x1', '32x1', '64x6')],
                         help='head width x heads, m for a key mask (default: 32x3m 64x1 32x1 64x6)')
@@ -175,7 +176,7 @@ def main(argv=None) -> list:
         torch.backends.cuda.matmul.fp32_precision = 'tf32'
     rows = []
     print(f'{"kernel":26} {"case":7} {"dtype":5} {"regs":>4} {"spill st/ld":>11} {"shared":>7} '
-          f'{"wgmma/mma/tcgen05":>17}')
+          f'{"wgmma/mma/tcgen05":>18}')
     for d, heads, masked in args.cases:
         case = f'{d}x{heads}{"m" if masked else ""}'
         for name in args.dtypes:
@@ -184,7 +185,7 @@ def main(argv=None) -> list:
                 rows.append(row)
                 print(f'{row["kernel"]:26} {case:7} {name:5} {row["registers"]:4d} '
                       f'{row["spill_stores"]:5d}/{row["spill_loads"]:<5d} {row["shared"]:7d} '
-                      f'{row["wgmma"]:6d}/{row["mma_sync"]:d}/{row["tcgen05"]:d}')
+                      f'{"/".join(str(row[k]) for k in ("wgmma", "mma_sync", "tcgen05")):>18}')
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

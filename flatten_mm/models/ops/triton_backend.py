@@ -44,7 +44,7 @@ so each side has a pass computing per-(row, head) shares of it (stored as
 
 With one head a row's c has one share, its own: passes 3 and 4 are one pass,
 and on sm_90 to sm_110 so are 1 and 2 (q, g, k and v read once each; on GPUs
-with only the warp-level MMA, sm_80-89 and sm_120, that fused query pass spills
+with only the warp-level MMA, sm_80-89 and sm_120-121, that fused query pass spills
 registers: ``triton_kernels.fuses_query_passes``).
 
 Precision: statistics, normalisers, states and accumulators are fp32; only the
