@@ -613,10 +613,14 @@ def test_a_graph_traced_first_keeps_an_old_gpu_on_the_torch_backend(monkeypatch)
         assert torch.equal(fn(torch.zeros(2)), -torch.ones(2))
         assert tb.gpu_supported(1) and torch.equal(fn(torch.zeros(2)), -torch.ones(2))
         assert len(graphs) == 1
+        # as supports() asks it: the index of a traced tensor's device (None: current)
+        by_tensor = torch.compile(lambda x: x + 1 if tb.gpu_supported(x.device.index) else x - 1,
+                                  fullgraph=True, backend=backend)
+        assert torch.equal(by_tensor(torch.zeros(2)), -torch.ones(2)) and len(graphs) == 2
         caps[0] = (9, 0)
         tb._GPUS.clear()
         torch._dynamo.reset()
         assert torch.equal(fn(torch.zeros(2)), torch.ones(2))
     finally:
         torch._dynamo.reset()
-    assert len(graphs) == 2
+    assert len(graphs) == 3
