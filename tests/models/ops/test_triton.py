@@ -173,17 +173,24 @@ def test_auto_falls_back_when_the_first_call_fails(monkeypatch):
         tb.triton_backend(q, k, v, scale, 3.0, 2)
 
 
+def recording_backend():
+    """(graphs, a torch.compile backend that keeps each graph it is given and runs
+    it as traced)."""
+    graphs = []
+
+    def backend(gm, _):
+        graphs.append(gm)
+        return gm.forward
+    return graphs, backend
+
+
 def test_auto_choice_compiles_without_importing(monkeypatch):
     """Whether the kernels import is settled by an eager call, never inside a
     trace (an import there would break a fullgraph compile); the eager answer
     arriving later recompiles nothing (a validation step between compiled
     training steps once recompiled every graph)."""
     monkeypatch.setattr(tb, '_KERNELS', {})
-    graphs = []
-
-    def backend(gm, _):
-        graphs.append(gm)
-        return gm.forward
+    graphs, backend = recording_backend()
     torch._dynamo.reset()
     fn = torch.compile(lambda x: x + 1 if tb.importable() else x - 1, fullgraph=True,
                        backend=backend)
@@ -601,11 +608,7 @@ def test_a_graph_traced_first_keeps_an_old_gpu_on_the_torch_backend(monkeypatch)
     (no guard on the cache: another device asked later recompiles nothing)."""
     caps = {0: (7, 5), 1: (9, 0)}
     old_and_new_gpus(monkeypatch, caps)
-    graphs = []
-
-    def backend(gm, _):
-        graphs.append(gm)
-        return gm.forward
+    graphs, backend = recording_backend()
     torch._dynamo.reset()
     try:
         fn = torch.compile(lambda x: x + 1 if tb.gpu_supported(0) else x - 1, fullgraph=True,
