@@ -111,7 +111,12 @@ part_env() {
 print(sys.version)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
       "timm", timm.__version__, "mmdet", mmdet.__version__, "mmengine", mmengine.__version__)
-print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+if torch.cuda.is_available():  # the path the kernels take on this GPU
+    from flatten_mm.models.ops import triton_backend as tb
+    cap = torch.cuda.get_device_capability()
+    print("capability", cap, "auto takes the Triton ops", tb.gpu_supported(None),
+          "one-head query backward fused", tb.kernels().fuses_query_passes(cap))'
 }
 
 part_tests() {  # the CUDA tests (they skip without CUDA) and the Triton kernels' tests
