@@ -271,14 +271,11 @@ def on_fake_gpu(fake_mode, backend: str = 'auto'):
         yield
 
 
-@contextlib.contextmanager
 def built_for_gpu():
     """'auto' takes the Triton ops for fake CUDA tensors whatever GPU this machine
     has (a V100's capability would send them to torch: ``gpu_supported``)."""
-    from flatten_mm.models.ops import triton_backend, triton_conv
-    with mock.patch.object(triton_backend, 'gpu_supported', lambda index: True), \
-            mock.patch.object(triton_conv, 'gpu_supported', lambda index: True):
-        yield
+    from flatten_mm.models.ops import triton_backend
+    return mock.patch.object(triton_backend, 'gpu_supported', lambda index: True)
 
 
 def step_row(name: str, size: list, dtype: str, batch: int, backend: str) -> dict:

@@ -152,6 +152,13 @@ def gpu_supported(index: Optional[int]) -> bool:
     return _GPUS[index]
 
 
+def auto_runs_on(device: torch.device) -> bool:
+    """Whether ``'auto'`` may take the Triton ops (attention and the fused DWC) for
+    CUDA tensors on ``device``: the kernels import (:func:`importable`) and are
+    built for that GPU (:func:`gpu_supported`)."""
+    return importable() and gpu_supported(device.index)
+
+
 def _capability(index: Optional[int]) -> Optional[Tuple[int, int]]:
     """Compute capability of CUDA device ``index`` (None: the current one);
     None without CUDA."""
@@ -451,12 +458,11 @@ def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
              num_heads: int) -> bool:
     """``'auto'`` takes this backend for CUDA tensors of one supported dtype and
     heads up to :data:`MAX_HEAD_DIM` channels (:data:`MAX_EXACT_HEAD_DIM` for
-    fp32 without TF32) on GPUs the kernels are built for (:func:`gpu_supported`)
-    where they import. Shapes, heads dividing C and the mask's dtype the
-    dispatcher has checked (:func:`.dispatch.check_call`)."""
+    fp32 without TF32) where :func:`auto_runs_on` their device. Shapes, heads
+    dividing C and the mask's dtype the dispatcher has checked
+    (:func:`.dispatch.check_call`)."""
     return (q.device.type == 'cuda' and v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
-            and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and importable()
-            and gpu_supported(q.device.index))
+            and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and auto_runs_on(q.device))
 
 
 if AVAILABLE:

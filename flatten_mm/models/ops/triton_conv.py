@@ -19,7 +19,7 @@ gradient once for all K x K taps, in chunks whose fp32 partials torch adds.
 
 :func:`.conv.depthwise_conv_add` takes this form under the ``'triton'`` backend,
 and under ``'auto'`` for CUDA tensors on sm_80 and later
-(:func:`.triton_backend.gpu_supported`), each first configuration checked against
+(:func:`.triton_backend.auto_runs_on`), each first configuration checked against
 the PyTorch path as the attention kernels are (:func:`.triton_backend.agrees_once`).
 """
 from types import ModuleType
@@ -30,8 +30,8 @@ from torch import Tensor
 
 from .conv import torch_conv_add
 from .dispatch import register_backend, register_op_pair
-from .triton_backend import (AVAILABLE, DTYPES, agrees_once, channel_rows, gpu_supported,
-                             importable, kernel_impl, lazy_module, run_guarded, settled)
+from .triton_backend import (AVAILABLE, DTYPES, agrees_once, auto_runs_on, channel_rows,
+                             kernel_impl, lazy_module, run_guarded, settled)
 
 _KERNELS = {}
 
@@ -144,8 +144,7 @@ def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Te
 def supports(out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """``'auto'`` takes the fused op for CUDA tokens of one supported dtype with a bias."""
     return (x.device.type == 'cuda' and x.dim() == 3 and x.dtype in DTYPES and
-            out.dtype == x.dtype and bias is not None and importable() and
-            gpu_supported(x.device.index))
+            out.dtype == x.dtype and bias is not None and auto_runs_on(x.device))
 
 
 if AVAILABLE:  # flatten_mm::triton_conv_add and ::triton_conv_add_backward
