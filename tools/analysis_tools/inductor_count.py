@@ -54,8 +54,8 @@ def _record_and_run(graphs: List[dict]):
         kernels = [(kernel_label(node), node.get_read_write_buffers_sizes())  # count_bytes's
                    for node in lowering.scheduler.nodes
                    if type(node).__name__ != 'NopKernelSchedulerNode']
-        graphs.append(dict(bytes=sum(size for _, size in kernels), kernels=kernels))
         module = lowering.module
+        graphs.append(dict(bytes=sum(size for _, size in kernels), kernels=kernels, module=module))
         return SimpleNamespace(call=lambda args: module(*args), __file__='<not built>')
     return compile_to_module
 
@@ -111,8 +111,9 @@ class _Target:
 def inductor_for_a_fake_gpu(props: SimpleNamespace = SM90) -> Iterator[List[dict]]:
     """Inside, Inductor compiles graphs of fake CUDA tensors for ``props``'s GPU
     as described in the module docstring; yields the list that receives one
-    ``dict(bytes=..., kernels=[(label, bytes), ...])`` per graph (a training
-    step's forward, then its backward, lowered at once)."""
+    ``dict(bytes=..., kernels=[(label, bytes), ...], module=...)`` per graph
+    (a training step's forward, then its backward, lowered at once; ``module``:
+    the FX graph lowered, its nodes' ``meta['val']`` the traced fake values)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.async_compile import AsyncCompile

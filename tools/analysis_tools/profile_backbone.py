@@ -30,7 +30,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, Dict, NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_backbone import Case, check_model_names, parse_size  # noqa: E402
@@ -116,18 +116,22 @@ def conv_backward_flops(grad_out, x, w, bias_sizes, stride, padding, dilation, t
     return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
-def tally_ops(step) -> OpTally:
+def tally_ops(step, inside: Optional[Dict[str, Callable]] = None) -> OpTally:
     """The ATen (and ``flatten_mm::``) ops one call of ``step`` dispatches, ops
     that make no kernel (``NO_KERNEL``, ``prim::``) left out: their calls; the
     bytes of the tensors each reads and writes (inputs, then outputs: an
     in-place op's tensor counts as read and written; what a kernel re-reads
     internally or finds in cache is not seen); and the FLOPs of torch's FLOP
     counter's formulas (matmuls, convolutions, fused attention; none for the
-    rest, ``flatten_mm::`` ops included)."""
+    rest, ``flatten_mm::`` ops included). An op named in ``inside`` (e.g.
+    ``'flatten_mm::triton_attention'``) is counted by what its function there
+    runs on the op's arguments instead: the ATen ops it dispatches, tallied as
+    above, and the kernel launches it returns as (name, bytes) pairs."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
     formulas = {**flop_registry, torch.ops.aten.convolution_backward: conv_backward_flops}
+    inside = inside or {}
     tally = OpTally(defaultdict(int), defaultdict(int), defaultdict(int))
 
     class Tally(TorchDispatchMode):
@@ -137,7 +141,16 @@ def tally_ops(step) -> OpTally:
             packet = func.overloadpacket
             if packet.__name__ in NO_KERNEL or func.namespace == 'prim':  # prim::device
                 return out
+            if args and out is args[0] and not packet.__name__.endswith('_'):
+                return out  # returned its input (a .contiguous() or .to() with nothing to do)
             name = f'{func.namespace}::{packet.__name__}'
+            if name in inside:
+                with Tally():  # the ATen ops it runs, on the same counts
+                    launches = inside[name](*args, **kwargs)
+                for kernel, nbytes in launches:
+                    tally.calls[kernel] += 1
+                    tally.bytes[kernel] += nbytes
+                return out
             tally.calls[name] += 1
             tally.bytes[name] += tensor_bytes((args, kwargs)) + tensor_bytes(out)
             if packet in formulas:

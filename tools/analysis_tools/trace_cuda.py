@@ -299,6 +299,7 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
     kernels, pass."""
     from flatten_mm.models import utils
     from flatten_mm.models.ops import triton_backend, triton_conv
+    from launch_count import counted_launches
     from profile_backbone import tally_ops
     model, fake_mode = fake_cuda_model(name, dtype, release_dir)
     with contextlib.ExitStack() as stack:
@@ -310,9 +311,10 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
         losses = []
+        inside = stack.enter_context(counted_launches())
         forward = tally_ops(lambda: losses.append(saved_tensor_bytes(
-            lambda: training_loss(model(x)), [x, *model.parameters()])))
-        backward = tally_ops(lambda: run_backward(losses[0][0]))
+            lambda: training_loss(model(x)), [x, *model.parameters()])), inside)
+        backward = tally_ops(lambda: run_backward(losses[0][0]), inside)
     row = step_row(name, size, dtype, batch, backend)
     row['saved_bytes'] = losses[0][1]  # kept for backward: the activation memory
     for part, tally in (('forward', forward), ('backward', backward)):
@@ -361,11 +363,39 @@ def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
     for part, graph in zip(('forward', 'backward'), graphs):
         labels, sizes = Counter(), Counter()
         for label, size_ in graph['kernels']:
-            labels[label] += 1
-            sizes[label] += size_
-        row[part] = dict(op_calls=dict(labels), op_bytes=dict(sizes),
-                         ops=len(graph['kernels']), bytes=graph['bytes'])  # no FLOP count
+            if not label.startswith(TRITON_OP_LABEL):  # counted by their launches below
+                labels[label] += 1
+                sizes[label] += size_
+        launched = graph_launches(graph['module'])
+        labels.update(launched.calls)
+        sizes.update(launched.bytes)
+        row[part] = dict(op_calls=dict(labels), op_bytes=dict(sizes), ops=sum(labels.values()),
+                         bytes=sum(sizes.values()))  # no FLOP count
     return row
+
+
+TRITON_OP_LABEL = 'torch.ops.flatten_mm.triton_'  # Inductor's extern kernel of one of them
+
+
+def graph_launches(gm: torch.fx.GraphModule):
+    """``profile_backbone.tally_ops`` of the Triton ops of a compiled graph, which
+    Inductor calls as extern kernels (one each, its buffers once): each op's
+    kernel launches and its host code's ATen ops (:mod:`launch_count`), run
+    on the fake values the graph was traced with."""
+    from torch._guards import detect_fake_mode
+    from launch_count import counted_launches
+    from profile_backbone import tally_ops
+
+    def value(node):
+        return node.meta['val']
+    with counted_launches() as inside:
+        nodes = [node for node in gm.graph.nodes if node.op == 'call_function' and
+                 isinstance(node.target, torch._ops.OpOverload) and node.target.name() in inside]
+        fake_mode = detect_fake_mode([value(arg) for node in nodes for arg in node.all_input_nodes])
+        with fake_mode or contextlib.nullcontext():
+            return tally_ops(lambda: [node.target(*torch.fx.node.map_arg(node.args, value),
+                                                  **torch.fx.node.map_arg(node.kwargs, value))
+                                      for node in nodes], inside)
 
 
 def core_saved(case: str, dtype: str, batch: int) -> dict:

@@ -1,0 +1,99 @@
+"""tools/analysis_tools/launch_count.py: the Triton ops counted by the kernels
+they launch (on fake CUDA tensors, nothing run), each launch by the tensors
+its kernel uses under the launch's compile-time flags.
+
+Counted as one op each, a layer's attention read q and k once; its kernels
+read them twice (statistics, then state or output pass), and the backward's
+passes q, g, k and v once or twice."""
+import importlib.util
+import os.path as osp
+import sys
+
+import pytest
+import torch
+
+from flatten_mm.models.ops import available_backends
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOLS = osp.join(ROOT, 'tools', 'analysis_tools')
+pytestmark = pytest.mark.skipif('triton' not in available_backends(), reason='needs triton')
+
+
+def load(name):
+    if TOOLS not in sys.path:  # the tools import each other by name
+        sys.path.insert(0, TOOLS)
+    spec = importlib.util.spec_from_file_location(name, osp.join(TOOLS, f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_kernels_flags_decide_which_tensors_it_uses():
+    """Read from the kernel's source: a pointer used only under ``if FLAG:`` (or
+    its else branch, or ``if not FLAG:``) counts only when the launch sets the
+    flag so; a pointer handed to a helper outside such a block always counts."""
+    from flatten_mm.models.ops import triton_backend
+    lc = load('launch_count')
+    ks = triton_backend.kernels()
+
+    def pointers(fn, **flags):
+        return {name for name in lc.used_params(fn, flags) if name.endswith('_ptr')}
+    key_grad = ks._key_grad_kernel.fn
+    several = pointers(key_grad, WHOLE_ROWS=False, HAS_MASK=False)
+    one = pointers(key_grad, WHOLE_ROWS=True, HAS_MASK=False)
+    assert several - one == {'gc_ptr'} and one - several == {'dv_ptr'}
+    assert {'k_ptr', 'v_ptr', 'mask_ptr', 'dk_ptr', 'ds_ptr'} <= several  # mask: in a helper
+    query_grad = ks._query_grad_kernel.fn
+    unfused = pointers(query_grad, WHOLE_ROWS=False)
+    assert pointers(query_grad, WHOLE_ROWS=True) - unfused == {'dkv_ptr', 'dkm_ptr'}
+
+    def kernel(x_ptr, y_ptr, z_ptr, A: 'tl.constexpr'):
+        if not A:
+            x_ptr = y_ptr
+        return x_ptr + z_ptr
+    assert lc.used_params(kernel, dict(A=True)) == ['x_ptr', 'z_ptr']
+    assert lc.used_params(kernel, dict(A=False)) == ['x_ptr', 'y_ptr', 'z_ptr']
+    assert lc.used_params(kernel, {}) == ['x_ptr', 'y_ptr', 'z_ptr']  # flag unknown: used
+
+
+def count_layer(heads):
+    """The tallies of one fp32 layer's forward and backward, 2 images of 5x6
+    tokens, 32 channels, the core and DWC on the Triton ops (fake CUDA)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flatten_mm.models import FocusedLinearAttention
+    trace_cuda, lc, pb = load('trace_cuda'), load('launch_count'), load('profile_backbone')
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    layer = trace_cuda.to_fake_cuda(FocusedLinearAttention(32, heads), fake_mode)
+    with trace_cuda.on_fake_gpu(fake_mode, 'triton'), lc.counted_launches() as inside:
+        x = torch.randn(2, 30, 32, device='cuda')
+        outs = []
+        forward = pb.tally_ops(lambda: outs.append(layer(x, (5, 6)).sum()), inside)
+        backward = pb.tally_ops(lambda: trace_cuda.run_backward(outs[0]), inside)
+    return forward, backward
+
+
+def test_a_layers_kernels_counted_by_hand():
+    """Two heads of 16 channels: q's and k's statistics passes, the state pass,
+    the output pass (reading q, its statistics, 1/scale, KV and km, writing
+    out: bytes by hand), the fused DWC; backward's four passes and the conv's
+    two. With one head the token kernels make the statistics and fuse the
+    passes: no statistics pass, two attention passes in backward (on sm_90)."""
+    forward, backward = count_layer(2)
+    assert not any(op.startswith('flatten_mm::') for op in {**forward.calls, **backward.calls})
+    assert {op: n for op, n in forward.calls.items() if op.startswith('triton::')} == {
+        'triton::row_stats': 2, 'triton::kv_state': 1, 'triton::output': 1,
+        'triton::conv_add': 1}
+    B, N, C, h, d, f32 = 2, 30, 32, 2, 16, 4
+    assert forward.bytes['triton::output'] == f32 * (
+        B * N * C + 3 * B * N + C + B * h * d * d + B * h * d + B * N * C)
+    assert forward.bytes['triton::row_stats'] == 2 * f32 * (B * N * C + C + 3 * B * N)
+    assert {op: n for op, n in backward.calls.items() if op.startswith('triton::')} == {
+        'triton::query_state_grad': 1, 'triton::query_grad': 1, 'triton::key_value_grad': 1,
+        'triton::key_grad': 1, 'triton::conv_add': 1, 'triton::conv_weight_grad': 1}
+    # the chunks' partial states and s_inv's gradients added by torch, counted too
+    assert forward.calls['aten::sum'] >= 2 and backward.calls['aten::sum'] >= 4
+    forward, backward = count_layer(1)
+    assert 'triton::row_stats' not in forward.calls
+    assert {op for op in backward.calls if op.startswith('triton::')} == {
+        'triton::query_grad', 'triton::key_grad', 'triton::conv_add', 'triton::conv_weight_grad'}

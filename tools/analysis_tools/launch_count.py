@@ -1,0 +1,145 @@
+"""flatten_mm's Triton ops counted by the kernels they launch, without a GPU.
+
+A ``flatten_mm::triton_*`` op is one call to the dispatcher, but its
+implementation launches several kernels, each a sweep over the tokens that
+reads its tensors from memory again: the forward's row statistics, state and
+output passes read q and k twice each, and the backward's passes read q, g, k
+and v once or twice (``flatten_mm/models/ops/triton_backend.py``). Counted as
+one op (its inputs and outputs once), the core's traffic is undercounted.
+
+:func:`counted_launches` runs each op's own host code (``triton_backend`` /
+``triton_conv``: tilings, buffers, the chunk sums torch adds) on the op's fake
+CUDA tensors, with every kernel replaced by a recorder that launches nothing
+and counts the tensors the launch hands the kernel, each once at its own
+extent, as Inductor counts a kernel's buffers. A tensor the kernel does not
+touch under the launch's compile-time flags (``if WHOLE_ROWS:``-style blocks in
+its source; :func:`used_params`) is not counted. Tiling is an H100/H200's (132
+multiprocessors, sm_90), also in a process that loaded the kernels for Triton's
+interpreter. What a kernel re-reads within itself (a program's
+state, cached rows) or finds in cache is not seen.
+"""
+import ast
+import contextlib
+import functools
+import inspect
+import textwrap
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from unittest import mock
+
+import torch
+
+SM90_PROPERTIES = (132, (9, 0))  # multiprocessors and capability of an H100 / H200
+
+
+def _flag(test: ast.expr) -> Optional[Tuple[str, bool]]:
+    """(name, value) of an ``if NAME:`` or ``if not NAME:`` test, else None."""
+    if isinstance(test, ast.Name):
+        return test.id, True
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and \
+            isinstance(test.operand, ast.Name):
+        return test.operand.id, False
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def param_uses(fn: Callable) -> Tuple[Tuple[str, ...], Dict[str, List[tuple]]]:
+    """A kernel function's parameters, and for each one it uses the conditions
+    of every use: the (flag, value) pairs of the ``if FLAG:`` / ``if not FLAG:``
+    blocks around it in the kernel's own body (a use inside a helper the kernel
+    calls is the call's, unconditional unless the call is in such a block)."""
+    func = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    params = tuple(arg.arg for arg in func.args.args)
+    uses = {}
+
+    def visit(node: ast.AST, conds: tuple) -> None:
+        flag = _flag(node.test) if isinstance(node, ast.If) else None
+        if flag is not None:
+            for child in node.body:
+                visit(child, conds + (flag, ))
+            for child in node.orelse:
+                visit(child, conds + ((flag[0], not flag[1]), ))
+            return
+        if isinstance(node, ast.Name) and node.id in params:
+            uses.setdefault(node.id, []).append(conds)
+        for child in ast.iter_child_nodes(node):
+            visit(child, conds)
+    for statement in func.body:
+        visit(statement, ())
+    return params, uses
+
+
+def used_params(fn: Callable, given: dict) -> List[str]:
+    """The parameters of kernel function ``fn`` that a launch with arguments
+    ``given`` (name -> value) uses: some use whose flags all hold (a flag not
+    given counts as holding)."""
+    _, uses = param_uses(fn)
+    return [name for name, conds in uses.items()
+            if any(all(flag not in given or bool(given[flag]) == value for flag, value in c)
+                   for c in conds)]
+
+
+def launch_bytes(fn: Callable, args: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct tensors a launch of kernel function ``fn`` uses,
+    each at its own extent (a view: what it spans)."""
+    params, _ = param_uses(fn)
+    given = dict(zip(params, args), **kwargs)
+    seen, total = set(), 0
+    for name in used_params(fn, given):
+        t = given.get(name)
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+class RecordedKernel:
+    """``kernel[grid](...)`` that launches nothing and appends the launch's
+    (``'triton::NAME'``, bytes) to ``launches``."""
+
+    def __init__(self, kernel, name: str, launches: list):
+        self.kernel, self.launches = kernel, launches
+        self.name = 'triton::' + name.strip('_').removesuffix('_kernel')
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs) -> None:
+            self.launches.append((self.name, launch_bytes(self.kernel.fn, args, kwargs)))
+        return launch
+
+
+def kernel_names(module) -> List[str]:
+    """The Triton kernels of a kernels module (``_NAME_kernel``)."""
+    return [name for name in vars(module) if name.startswith('_') and name.endswith('_kernel')]
+
+
+@contextlib.contextmanager
+def counted_launches() -> Iterator[Dict[str, Callable]]:
+    """While open, the kernels of both Triton modules record their launches
+    instead of running (tiled for an sm_90 GPU of 132 multiprocessors); yields
+    ``profile_backbone.tally_ops``'s ``inside`` map: each ``flatten_mm::triton_*``
+    op to a function that runs the op's host code on its arguments and returns
+    the launches it made."""
+    from flatten_mm.models.ops import triton_backend, triton_conv
+    impls = {'flatten_mm::triton_attention': triton_backend._forward_impl,
+             'flatten_mm::triton_attention_backward': triton_backend._backward_impl,
+             'flatten_mm::triton_conv_add': triton_conv._add_impl,
+             'flatten_mm::triton_conv_add_backward': triton_conv._backward_impl}
+    launches = []
+    modules = (triton_backend.kernels(), triton_conv.kernels())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(modules[0], '_properties',
+                                              lambda device: SM90_PROPERTIES))
+        for module in modules:
+            # the GPU's tiling also where the kernels were loaded for the interpreter
+            stack.enter_context(mock.patch.object(module, 'INTERPRETED', False))
+            for name in kernel_names(module):
+                stack.enter_context(mock.patch.object(
+                    module, name, RecordedKernel(getattr(module, name), name, launches)))
+
+        def counted(impl: Callable) -> Callable:
+            def run(*args, **kwargs) -> list:
+                impl.__wrapped__(*args, **kwargs)  # the op's code, not its device checks
+                made = list(launches)
+                launches.clear()
+                return made
+            return run
+        yield {op: counted(impl) for op, impl in impls.items()}
