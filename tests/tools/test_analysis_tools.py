@@ -312,10 +312,14 @@ def test_tally_ops_counts_the_bytes_each_op_reads_and_writes_and_its_flops():
     # an op counted by what a function of its arguments runs instead (a custom
     # op's host code): the launches it returns and its ATen ops, where a
     # .contiguous() or .to() that returns its input makes no kernel
-    inside = {'aten::relu': lambda t: (t.contiguous(), t.to(t.dtype), t.mul(2), [('k', 5)])[-1]}
+    # (an out= op returns its output argument, written: counted)
+    z = torch.empty(4, 8)
+    inside = {'aten::relu': lambda t: (t.contiguous(), t.to(t.dtype), t.mul(2),
+                                       torch.mul(t, 2, out=z), [('k', 5)])[-1]}
     tally = tool.tally_ops(lambda: (y.add_(x), x.relu()), inside)
-    assert tally.calls == {'aten::add_': 1, 'aten::mul': 1, 'k': 1}
-    assert tally.bytes == {'aten::add_': 4 * 32 * 3, 'aten::mul': 4 * 32 * 2, 'k': 5}
+    assert tally.calls == {'aten::add_': 1, 'aten::mul': 2, 'k': 1}
+    # (the out= one: t read, z as argument and as output, as an in-place op's)
+    assert tally.bytes == {'aten::add_': 4 * 32 * 3, 'aten::mul': 4 * 32 * 2 + 4 * 32 * 3, 'k': 5}
     # a depth-wise conv's gradients (input and weight) cost twice its forward
     # (torch's own backward formula ignores groups: 32x that here)
     conv = torch.nn.Conv2d(64, 64, 3, padding=1, groups=64)

@@ -141,8 +141,9 @@ def tally_ops(step, inside: Optional[Dict[str, Callable]] = None) -> OpTally:
             packet = func.overloadpacket
             if packet.__name__ in NO_KERNEL or func.namespace == 'prim':  # prim::device
                 return out
-            if args and out is args[0] and not packet.__name__.endswith('_'):
-                return out  # returned its input (a .contiguous() or .to() with nothing to do)
+            if args and out is args[0] and not func._schema.is_mutable:
+                return out  # returned its input, unwritten (a .contiguous() or .to() with
+                # nothing to do); in-place and out= ops return theirs written
             name = f'{func.namespace}::{packet.__name__}'
             if name in inside:
                 with Tally():  # the ATen ops it runs, on the same counts
