@@ -21,13 +21,14 @@ guarded on but the sizes. ``--count-ops`` instead counts the ATen ops of one
 eager training step on the CUDA path, forward and backward, the bytes they
 read and write and their FLOPs (``profile_backbone.py``'s tally; softmax
 models too, their ``F.scaled_dot_product_attention`` as the GPU's fused
-kernel), after a first forward has filled the model's caches: where steps are
+kernel; flatten_mm's Triton ops as the kernels they launch, ``launch_count.py``),
+after a first forward has filled the model's caches: where steps are
 short each op is a kernel launch; where they are long, most ops are bound by
 memory bandwidth. The backward runs autograd's nodes from Python
 (:func:`run_backward`): the engine itself needs a real GPU for CUDA tensors.
 ``--count-ops --compiled`` counts instead the kernels torch.compile's Inductor
 generates for the step on an sm_90 GPU (:mod:`inductor_count`; not built or
-run) and their bytes. The exit status is 1 if any model fails.
+run) and their bytes, the Triton ops again by their launches. The exit status is 1 if any model fails.
 
 What it does not show: the kernels themselves (the interpreter tests and
 ``kernel_resources.py``), and speed (``check_compile.py --device cuda`` on a
