@@ -88,6 +88,10 @@ def test_a_layers_kernels_counted_by_hand():
     assert forward.bytes['triton::output'] == f32 * (
         B * N * C + 3 * B * N + C + B * h * d * d + B * h * d + B * N * C)
     assert forward.bytes['triton::row_stats'] == 2 * f32 * (B * N * C + C + 3 * B * N)
+    # k, v, k's statistics (also the absent mask's stand-in: once), 1/scale, and
+    # the partial states of one chunk (30 keys: one block)
+    assert forward.bytes['triton::kv_state'] == f32 * (
+        2 * B * N * C + 3 * B * N + C + B * h * d * d + B * h * d)
     assert {op: n for op, n in backward.calls.items() if op.startswith('triton::')} == {
         'triton::query_state_grad': 1, 'triton::query_grad': 1, 'triton::key_value_grad': 1,
         'triton::key_grad': 1, 'triton::conv_add': 1, 'triton::conv_weight_grad': 1}

@@ -53,7 +53,8 @@ def _record_and_run(graphs: List[dict]):
         lowering.codegen()
         kernels = [(kernel_label(node), node.get_read_write_buffers_sizes())  # count_bytes's
                    for node in lowering.scheduler.nodes
-                   if type(node).__name__ != 'NopKernelSchedulerNode']
+                   if type(node).__name__ != 'NopKernelSchedulerNode' and
+                   type(getattr(node, 'node', None)).__name__ != 'MultiOutput']  # an index
         module = lowering.module
         graphs.append(dict(bytes=sum(size for _, size in kernels), kernels=kernels, module=module))
         return SimpleNamespace(call=lambda args: module(*args), __file__='<not built>')

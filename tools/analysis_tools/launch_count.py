@@ -13,7 +13,9 @@ CUDA tensors, with every kernel replaced by a recorder that launches nothing
 and counts the tensors the launch hands the kernel, each once at its own
 extent, as Inductor counts a kernel's buffers. A tensor the kernel does not
 touch under the launch's compile-time flags (``if WHOLE_ROWS:``-style blocks in
-its source; :func:`used_params`) is not counted. Tiling is an H100/H200's (132
+its source; :func:`used_params`) is not counted; a tensor passed for an absent
+one (the mask's, the bias's: the host code hands the kernel another of its
+tensors) is counted once, as the same tensor. Tiling is an H100/H200's (132
 multiprocessors, sm_90), also in a process that loaded the kernels for Triton's
 interpreter. What a kernel re-reads within itself (a program's
 state, cached rows) or finds in cache is not seen.
@@ -23,7 +25,8 @@ import contextlib
 import functools
 import inspect
 import textwrap
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
 import torch
@@ -96,17 +99,17 @@ class RecordedKernel:
     """``kernel[grid](...)`` that launches nothing and appends the launch's
     (``'triton::NAME'``, bytes) to ``launches``."""
 
-    def __init__(self, kernel, name: str, launches: list):
-        self.kernel, self.launches = kernel, launches
+    def __init__(self, kernel: Any, name: str, launches: list):
+        self.kernel, self.launches = kernel, launches  # kernel: a triton.JITFunction
         self.name = 'triton::' + name.strip('_').removesuffix('_kernel')
 
-    def __getitem__(self, grid):
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
         def launch(*args, **kwargs) -> None:
             self.launches.append((self.name, launch_bytes(self.kernel.fn, args, kwargs)))
         return launch
 
 
-def kernel_names(module) -> List[str]:
+def kernel_names(module: ModuleType) -> List[str]:
     """The Triton kernels of a kernels module (``_NAME_kernel``)."""
     return [name for name in vars(module) if name.startswith('_') and name.endswith('_kernel')]
 
@@ -137,9 +140,10 @@ def counted_launches() -> Iterator[Dict[str, Callable]]:
 
         def counted(impl: Callable) -> Callable:
             def run(*args, **kwargs) -> list:
-                impl.__wrapped__(*args, **kwargs)  # the op's code, not its device checks
-                made = list(launches)
-                launches.clear()
-                return made
+                try:
+                    impl.__wrapped__(*args, **kwargs)  # the op's code, not its device checks
+                    return list(launches)
+                finally:
+                    launches.clear()
             return run
         yield {op: counted(impl) for op, impl in impls.items()}

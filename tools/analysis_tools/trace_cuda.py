@@ -28,7 +28,8 @@ memory bandwidth. The backward runs autograd's nodes from Python
 (:func:`run_backward`): the engine itself needs a real GPU for CUDA tensors.
 ``--count-ops --compiled`` counts instead the kernels torch.compile's Inductor
 generates for the step on an sm_90 GPU (:mod:`inductor_count`; not built or
-run) and their bytes, the Triton ops again by their launches. The exit status is 1 if any model fails.
+run) and their bytes, the Triton ops again by their launches. The exit status
+is 1 if any model fails.
 
 What it does not show: the kernels themselves (the interpreter tests and
 ``kernel_resources.py``), and speed (``check_compile.py --device cuda`` on a
@@ -44,7 +45,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 from unittest import mock
 
 import torch
@@ -367,7 +368,11 @@ def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
             if not label.startswith(TRITON_OP_LABEL):  # counted by their launches below
                 labels[label] += 1
                 sizes[label] += size_
-        launched = graph_launches(graph['module'])
+        launched, ops = graph_launches(graph['module'])
+        externs = sum(label.startswith(TRITON_OP_LABEL) for label, _ in graph['kernels'])
+        if ops != externs:  # an op the graph's nodes hide would go uncounted
+            raise RuntimeError(f'{name}: {externs} Triton ops among the {part} kernels, '
+                               f'{ops} found in its graph')
         labels.update(launched.calls)
         sizes.update(launched.bytes)
         row[part] = dict(op_calls=dict(labels), op_bytes=dict(sizes), ops=sum(labels.values()),
@@ -378,16 +383,16 @@ def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
 TRITON_OP_LABEL = 'torch.ops.flatten_mm.triton_'  # Inductor's extern kernel of one of them
 
 
-def graph_launches(gm: torch.fx.GraphModule):
+def graph_launches(gm: torch.fx.GraphModule) -> tuple:
     """``profile_backbone.tally_ops`` of the Triton ops of a compiled graph, which
     Inductor calls as extern kernels (one each, its buffers once): each op's
     kernel launches and its host code's ATen ops (:mod:`launch_count`), run
-    on the fake values the graph was traced with."""
+    on the fake values the graph was traced with; and the number of such ops."""
     from torch._guards import detect_fake_mode
     from launch_count import counted_launches
     from profile_backbone import tally_ops
 
-    def value(node):
+    def value(node: torch.fx.Node) -> Any:
         return node.meta['val']
     with counted_launches() as inside:
         nodes = [node for node in gm.graph.nodes if node.op == 'call_function' and
@@ -396,7 +401,7 @@ def graph_launches(gm: torch.fx.GraphModule):
         with fake_mode or contextlib.nullcontext():
             return tally_ops(lambda: [node.target(*torch.fx.node.map_arg(node.args, value),
                                                   **torch.fx.node.map_arg(node.kwargs, value))
-                                      for node in nodes], inside)
+                                      for node in nodes], inside), len(nodes)
 
 
 def core_saved(case: str, dtype: str, batch: int) -> dict:
