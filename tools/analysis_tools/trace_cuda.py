@@ -407,24 +407,34 @@ def graph_launches(gm: torch.fx.GraphModule) -> tuple:
 def core_saved(case: str, dtype: str, batch: int) -> dict:
     """Bytes one :class:`FocusedLinearAttention` layer (case ``HxWxCxHEADS``;
     module and input in ``dtype``, as ``benchmark_attention.py --dtype``) keeps
-    for backward on fake CUDA tensors: with the Triton ops (the ``'triton'``
-    backend, as a GPU runs it) and with the reference formula
-    (``flatten_mm.analysis.reference_forward``)."""
+    for backward on fake CUDA tensors, and the bytes its training step (forward,
+    and backward of :func:`training_loss`) reads and writes: with the Triton
+    ops (the ``'triton'`` backend, as a GPU runs it; counted by their launches)
+    and with the reference formula (``flatten_mm.analysis.reference_forward``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from benchmark_attention import parse_case
     from flatten_mm import FocusedLinearAttention
     from flatten_mm.analysis import reference_forward
+    from launch_count import counted_launches
+    from profile_backbone import tally_ops
     H, W, C, heads = parse_case(case)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     layer = FocusedLinearAttention(C, heads, pos_grid=(H, W)).to(DTYPES[dtype]).train()
     layer = to_fake_cuda(layer, fake_mode)
     row = dict(case=case, dtype=dtype, batch=batch, status='ok')
-    with on_fake_gpu(fake_mode, 'triton'):
+    with on_fake_gpu(fake_mode, 'triton'), counted_launches() as inside:
         x = torch.randn(batch, H * W, C, device='cuda', dtype=DTYPES[dtype], requires_grad=True)
         for name, fn in (('triton', lambda: layer(x, (H, W))),
                          ('reference', lambda: reference_forward(layer, x, (H, W)))):
             row[f'{name}_saved_bytes'] = saved_tensor_bytes(fn, [x, *layer.parameters()])[1]
+            outs = []
+            forward = tally_ops(lambda: outs.append(training_loss(fn())), inside)
+            backward = tally_ops(lambda: run_backward(outs[0]), inside)
+            row[f'{name}_step_bytes'] = sum(forward.bytes.values()) + sum(backward.bytes.values())
+            x.grad = None
+            layer.zero_grad(set_to_none=True)  # the next path's backward adds no gradients
     row['saved_ratio'] = row['triton_saved_bytes'] / row['reference_saved_bytes']
+    row['step_ratio'] = row['triton_step_bytes'] / row['reference_step_bytes']
     return row
 
 
@@ -520,7 +530,10 @@ def summary(row: dict) -> str:
         return (f"attention layer {row['case']} {row['dtype']} batch {row['batch']}: kept for "
                 f"backward {row['triton_saved_bytes'] / 2 ** 20:.0f} MiB with the Triton ops, "
                 f"{row['reference_saved_bytes'] / 2 ** 20:.0f} MiB with the reference "
-                f"formula ({row['saved_ratio']:.3f}x)")
+                f"formula ({row['saved_ratio']:.3f}x); training step "
+                f"{row['triton_step_bytes'] / 1e9:.2f} GB and "
+                f"{row['reference_step_bytes'] / 1e9:.2f} GB read and written "
+                f"({row['step_ratio']:.3f}x)")
     if 'sizes' in row:
         return (f"{row['model']} compiled at {' '.join(row['sizes'])} and the first again, "
                 f"{row['dtype']}: {row.get('graphs')} graphs, {row['status']} "
