@@ -105,7 +105,10 @@ class RecordedKernel:
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         def launch(*args, **kwargs) -> None:
-            self.launches.append((self.name, launch_bytes(self.kernel.fn, args, kwargs)))
+            fn = self.kernel
+            while not inspect.isfunction(fn):  # a JITFunction (or an autotuner around one)
+                fn = fn.fn
+            self.launches.append((self.name, launch_bytes(fn, args, kwargs)))
         return launch
 
 
