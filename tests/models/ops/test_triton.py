@@ -376,6 +376,43 @@ def test_token_blocks_fit_the_grids_second_axis(monkeypatch):
     assert len(grids) >= 8 and all(n <= 3 for grid in grids for n in grid[1:]), grids
 
 
+def test_the_gpus_tilings_compute_the_same(monkeypatch):
+    """The interpreter tiles by 16 tokens; the GPU by 128 (d = 32) or 64 (d = 64)
+    with TF32 dots, 32 or 16 with exact fp32, in chunks sized for 132
+    multiprocessors. Whole layers (three heads; one head with reduced keys;
+    two heads with a key mask) run with the GPU's plans for the attention and
+    the conv kernels, blocks and chunks crossed, equal the torch backend."""
+    from flatten_mm.models import FocusedLinearAttention
+    from flatten_mm.models.ops import triton_conv as tc
+    for module in (tb.kernels(), tc.kernels()):
+        monkeypatch.setattr(module, 'INTERPRETED', False)  # the plans only
+    monkeypatch.setattr(tb, 'interpreted', lambda: DEVICE == 'cpu')
+    matmul, tf32 = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow_tf32, blocks in ((True, (128, 64, 128)), (False, (32, 16, 32))):
+            matmul.allow_tf32 = allow_tf32
+            for (C, h, H, W, sr, masked), block in zip(
+                    ((96, 3, 12, 30, 1, False), (64, 1, 20, 20, 2, False),
+                     (64, 2, 15, 21, 1, True)), blocks):
+                B = 2 if masked else 1
+                assert tb.kernels().plan(H * W, B * h, C // h, torch.float32).block_n == block
+                found = {}
+                for backend in ('triton', 'torch'):
+                    torch.manual_seed(0)
+                    layer = FocusedLinearAttention(C, h, sr_ratio=sr).to(DEVICE)
+                    x = torch.randn(B, H * W, C, device=DEVICE, requires_grad=True)
+                    mask = (torch.rand(B, H * W, device=DEVICE) < 0.8) if masked else None
+                    with use_backend(backend):
+                        out = layer(x, (H, W), mask)
+                        out.square().sum().backward()
+                    found[backend] = [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
+                tol = 1e-5 if DEVICE == 'cpu' or not allow_tf32 else 1e-2
+                for ours, theirs in zip(found['triton'], found['torch']):
+                    assert rel_err(ours, theirs) < tol, (C, h, allow_tf32)
+    finally:
+        matmul.allow_tf32 = tf32
+
+
 def test_exact_fp32_reads_either_tf32_api():
     """torch's new precision API makes reading the legacy flag raise: both are read
     through exact_fp32, which plan and 'auto' share."""
