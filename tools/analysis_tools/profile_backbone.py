@@ -141,9 +141,10 @@ def tally_ops(step, inside: Optional[Dict[str, Callable]] = None) -> OpTally:
             packet = func.overloadpacket
             if packet.__name__ in NO_KERNEL or func.namespace == 'prim':  # prim::device
                 return out
+            # an op that returns its input unwritten made no kernel (a .contiguous() or
+            # .to() with nothing to do); in-place and out= ops return theirs written
             if args and out is args[0] and not func._schema.is_mutable:
-                return out  # returned its input, unwritten (a .contiguous() or .to() with
-                # nothing to do); in-place and out= ops return theirs written
+                return out
             name = f'{func.namespace}::{packet.__name__}'
             if name in inside:
                 with Tally():  # the ATen ops it runs, on the same counts

@@ -45,7 +45,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 from unittest import mock
 
 import torch
@@ -383,7 +383,7 @@ def count_compiled_step(name: str, size: list, dtype: str, batch: int) -> dict:
 TRITON_OP_LABEL = 'torch.ops.flatten_mm.triton_'  # Inductor's extern kernel of one of them
 
 
-def graph_launches(gm: torch.fx.GraphModule) -> tuple:
+def graph_launches(gm: torch.fx.GraphModule) -> Tuple[Any, int]:
     """``profile_backbone.tally_ops`` of the Triton ops of a compiled graph, which
     Inductor calls as extern kernels (one each, its buffers once): each op's
     kernel launches and its host code's ATen ops (:mod:`launch_count`), run
@@ -404,7 +404,7 @@ def graph_launches(gm: torch.fx.GraphModule) -> tuple:
                                       for node in nodes], inside), len(nodes)
 
 
-def core_saved(case: str, dtype: str, batch: int) -> dict:
+def core_bytes(case: str, dtype: str, batch: int) -> dict:
     """Bytes one :class:`FocusedLinearAttention` layer (case ``HxWxCxHEADS``;
     module and input in ``dtype``, as ``benchmark_attention.py --dtype``) keeps
     for backward on fake CUDA tensors, and the bytes its training step (forward,
@@ -545,7 +545,7 @@ def summary(row: dict) -> str:
 def checks_to_run(args: argparse.Namespace) -> list:
     """The calls, each giving one row, that ``args`` ask for."""
     if args.core_cases:
-        return [functools.partial(core_saved, case, dtype, args.batch)
+        return [functools.partial(core_bytes, case, dtype, args.batch)
                 for case in args.core_cases for dtype in args.dtypes]
     checks = []
     # the authors' models last: importing their code registers its model names
