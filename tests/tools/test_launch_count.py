@@ -103,54 +103,44 @@ def test_a_layers_kernels_counted_by_hand():
         'triton::query_grad', 'triton::key_grad', 'triton::conv_add', 'triton::conv_weight_grad'}
 
 
-def test_what_a_launch_leaves_uncounted_its_kernel_does_not_touch(monkeypatch):
+def test_what_a_launch_leaves_uncounted_its_kernel_does_not_touch():
     """Under Triton's interpreter, each launch of a layer's forward and backward
     (two heads, with and without a key mask; one head) runs again with every
     tensor the count leaves out (used only under flags the launch does not
     set, and not also passed in a slot it uses) filled with NaN: the kernel's
     other tensors come out bit-identical, and the NaN ones unwritten."""
     from flatten_mm.models import FocusedLinearAttention
-    from flatten_mm.models.ops import triton_backend, triton_conv, use_backend
+    from flatten_mm.models.ops import triton_backend, use_backend
     if not triton_backend.interpreted():
         pytest.skip('runs the kernels under the interpreter')
     lc = load('launch_count')
     left_out = set()
 
-    class Rerun:  # kernel[grid](...), then again with the uncounted tensors poisoned
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                params, _ = lc.param_uses(self.kernel.fn)
-                given = dict(zip(params, args), **kwargs)
-                tensors = {n: t for n, t in given.items() if isinstance(t, torch.Tensor)}
-                used = {id(tensors[n]) for n in lc.used_params(self.kernel.fn, given)
-                        if n in tensors}
-                left = [n for n, t in tensors.items() if id(t) not in used]
-                before = {n: t.clone() for n, t in tensors.items()}
-                self.kernel[grid](*args, **kwargs)
-                if not left:
-                    return
-                after = {n: t.clone() for n, t in tensors.items()}
-                for n, t in tensors.items():
-                    t.copy_(before[n] if n not in left else torch.full_like(t, float('nan')))
-                self.kernel[grid](*args, **kwargs)
-                for n, t in tensors.items():
-                    if n in left:
-                        assert torch.isnan(t).all(), (self.kernel.fn.__name__, n)
-                    else:
-                        assert torch.equal(t, after[n]), (self.kernel.fn.__name__, n)
-                    t.copy_(after[n])
-                left_out.add((self.kernel.fn.__name__, tuple(sorted(left))))
-            return launch
-    for module in (triton_backend.kernels(), triton_conv.kernels()):
-        for name in lc.kernel_names(module):
-            monkeypatch.setattr(module, name, Rerun(getattr(module, name)))
+    def rerun(name, kernel, grid, args, kwargs):  # then again, the uncounted poisoned
+        params, _ = lc.param_uses(kernel.fn)
+        given = dict(zip(params, args), **kwargs)
+        tensors = {n: t for n, t in given.items() if isinstance(t, torch.Tensor)}
+        used = {id(tensors[n]) for n in lc.used_params(kernel.fn, given) if n in tensors}
+        left = [n for n, t in tensors.items() if id(t) not in used]
+        before = {n: t.clone() for n, t in tensors.items()}
+        kernel[grid](*args, **kwargs)
+        if not left:
+            return
+        after = {n: t.clone() for n, t in tensors.items()}
+        for n, t in tensors.items():
+            t.copy_(before[n] if n not in left else torch.full_like(t, float('nan')))
+        kernel[grid](*args, **kwargs)
+        for n, t in tensors.items():
+            if n in left:
+                assert torch.isnan(t).all(), (name, n)
+            else:
+                assert torch.equal(t, after[n]), (name, n)
+            t.copy_(after[n])
+        left_out.add((name, tuple(sorted(left))))
     x = torch.randn(2, 30, 32)
     mask = torch.ones(2, 30, dtype=torch.bool)
     mask[1, 20:] = False
-    with use_backend('triton'):
+    with use_backend('triton'), lc.launches_recorded(rerun):
         for heads, key_mask in ((2, None), (2, mask), (1, None)):
             layer = FocusedLinearAttention(32, heads)
             layer(x, (5, 6), key_mask).square().sum().backward()

@@ -37,10 +37,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch_count
 DTYPES = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
 CASE = re.compile(r'(\d+)x(\d+)(m?)$')
 # tensor-core instructions in PTX: Hopper's warpgroup MMA, the warp-level one,
@@ -67,21 +69,10 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch
     output, on a 16 x 24 grid), the launchers run on CPU tensors with every
     kernel replaced by a recorder and the device taken for one of compute
     capability ``arch``."""
-    from triton.runtime.jit import JITFunction
+    from launch_count import launches_recorded
 
     from flatten_mm.models.ops import triton_conv_kernels, triton_kernels
-    calls, kernels = [], {}
-
-    class Recorder:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
-    for module in (triton_kernels, triton_conv_kernels):
-        for name, value in vars(module).items():
-            if isinstance(value, JITFunction) and name.endswith('_kernel'):
-                kernels[name] = module, value
+    calls = []
     # (image, head) programs >= 4 x 132 multiprocessors: the plan then gives
     # each program every block of its row, 3 forward, 6 backward at d = 32;
     # the conv's weight gradient 4 blocks of rows per program
@@ -90,20 +81,13 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch
     mask = torch.arange(n).expand(B, n) < n - 3 if masked else None
     s_inv, p = torch.ones(C), 3.0
     weight, bias = torch.randn(C, 1, 5, 5), torch.randn(C)
-    capability = triton_kernels.capability
-    try:
-        triton_kernels.capability = lambda device: divmod(arch, 10)
-        for name, (module, fn) in kernels.items():
-            setattr(module, name, Recorder(fn))
+    with mock.patch.object(triton_kernels, 'capability', lambda device: divmod(arch, 10)), \
+            launches_recorded(lambda name, fn, grid, a, kw: calls.append((fn, a, kw))):
         out, kv, km, stats_q, stats_k = triton_kernels.forward(q, k, v, s_inv, p, heads, mask)
         triton_kernels.backward(out, q, k, v, s_inv, kv, km, stats_q, stats_k, p, heads, mask)
         triton_conv_kernels.conv_add(v, weight, bias, out, (16, 24))
         triton_conv_kernels.conv_add(out, weight, None, None, (16, 24), flip=True)
         triton_conv_kernels.weight_grad(out, v, 5, (16, 24))
-    finally:
-        triton_kernels.capability = capability
-        for name, (module, fn) in kernels.items():
-            setattr(module, name, fn)
     return calls
 
 

@@ -96,25 +96,40 @@ def launch_bytes(fn: Callable, args: tuple, kwargs: dict) -> int:
 
 
 class RecordedKernel:
-    """``kernel[grid](...)`` that launches nothing and appends the launch's
-    (``'triton::NAME'``, bytes) to ``launches``."""
+    """``kernel[grid](*args, **kwargs)`` that launches nothing and calls
+    ``record(name, kernel, grid, args, kwargs)`` instead."""
 
-    def __init__(self, kernel: Any, name: str, launches: list):
-        self.kernel, self.launches = kernel, launches  # kernel: a triton.JITFunction
-        self.name = 'triton::' + name.strip('_').removesuffix('_kernel')
+    def __init__(self, kernel: Any, name: str, record: Callable[..., None]):
+        self.kernel, self.name, self.record = kernel, name, record  # a triton.JITFunction
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
-        def launch(*args, **kwargs) -> None:
-            fn = self.kernel
-            while not inspect.isfunction(fn):  # a JITFunction (or an autotuner around one)
-                fn = fn.fn
-            self.launches.append((self.name, launch_bytes(fn, args, kwargs)))
-        return launch
+        return lambda *args, **kwargs: self.record(self.name, self.kernel, grid, args, kwargs)
 
 
-def kernel_names(module: ModuleType) -> List[str]:
-    """The Triton kernels of a kernels module (``_NAME_kernel``)."""
-    return [name for name in vars(module) if name.startswith('_') and name.endswith('_kernel')]
+def kernel_modules() -> Tuple[ModuleType, ModuleType]:
+    """The attention and the conv kernels modules (imported on first use)."""
+    from flatten_mm.models.ops import triton_backend, triton_conv
+    return triton_backend.kernels(), triton_conv.kernels()
+
+
+@contextlib.contextmanager
+def launches_recorded(record: Callable[..., None]) -> Iterator[None]:
+    """While open, every Triton kernel (``_NAME_kernel``) of both kernels modules
+    is a :class:`RecordedKernel` calling ``record``: the launchers run, no
+    kernel does (also ``kernel_resources.py``'s recorder)."""
+    with contextlib.ExitStack() as stack:
+        for module in kernel_modules():
+            for name in [n for n in vars(module) if n.startswith('_') and n.endswith('_kernel')]:
+                stack.enter_context(mock.patch.object(
+                    module, name, RecordedKernel(getattr(module, name), name, record)))
+        yield
+
+
+def python_function(kernel: Any) -> Callable:
+    """The Python function under a JITFunction (or an autotuner around one)."""
+    while not inspect.isfunction(kernel):
+        kernel = kernel.fn
+    return kernel
 
 
 @contextlib.contextmanager
@@ -130,16 +145,18 @@ def counted_launches() -> Iterator[Dict[str, Callable]]:
              'flatten_mm::triton_conv_add': triton_conv._add_impl,
              'flatten_mm::triton_conv_add_backward': triton_conv._backward_impl}
     launches = []
-    modules = (triton_backend.kernels(), triton_conv.kernels())
+
+    def record(name: str, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+        launches.append(('triton::' + name.strip('_').removesuffix('_kernel'),
+                         launch_bytes(python_function(kernel), args, kwargs)))
+    modules = kernel_modules()
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(modules[0], '_properties',
                                               lambda device: SM90_PROPERTIES))
         for module in modules:
             # the GPU's tiling also where the kernels were loaded for the interpreter
             stack.enter_context(mock.patch.object(module, 'INTERPRETED', False))
-            for name in kernel_names(module):
-                stack.enter_context(mock.patch.object(
-                    module, name, RecordedKernel(getattr(module, name), name, launches)))
+        stack.enter_context(launches_recorded(record))
 
         def counted(impl: Callable) -> Callable:
             def run(*args, **kwargs) -> list:
