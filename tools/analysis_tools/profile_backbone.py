@@ -116,7 +116,18 @@ def conv_backward_flops(grad_out, x, w, bias_sizes, stride, padding, dilation, t
     return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
-def tally_ops(step, inside: Optional[Dict[str, Callable]] = None) -> OpTally:
+def is_half(tree) -> bool:
+    """Whether the first floating-point tensor in ``tree`` is 16-bit."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.element_size() == 2
+    return False
+
+
+def tally_ops(step, inside: Optional[Dict[str, Callable]] = None,
+              log: Optional[list] = None) -> OpTally:
     """The ATen (and ``flatten_mm::``) ops one call of ``step`` dispatches, ops
     that make no kernel (``NO_KERNEL``, ``prim::``) left out: their calls; the
     bytes of the tensors each reads and writes (inputs, then outputs: an
@@ -126,13 +137,24 @@ def tally_ops(step, inside: Optional[Dict[str, Callable]] = None) -> OpTally:
     rest, ``flatten_mm::`` ops included). An op named in ``inside`` (e.g.
     ``'flatten_mm::triton_attention'``) is counted by what its function there
     runs on the op's arguments instead: the ATen ops it dispatches, tallied as
-    above, and the kernel launches it returns as (name, bytes) pairs."""
+    above, and the kernel launches it returns as (name, bytes) pairs. Each
+    counted call (op or launch) is also appended to ``log``, if given, as
+    (name, bytes, FLOPs, half): half if its first floating-point tensor
+    argument is 16-bit (the rate its matmul runs at)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
     formulas = {**flop_registry, torch.ops.aten.convolution_backward: conv_backward_flops}
     inside = inside or {}
     tally = OpTally(defaultdict(int), defaultdict(int), defaultdict(int))
+
+    def count(name: str, nbytes: int, flops: int, args) -> None:
+        tally.calls[name] += 1
+        tally.bytes[name] += nbytes
+        if flops:
+            tally.flops[name] += flops
+        if log is not None:
+            log.append((name, nbytes, int(flops), is_half(args)))
 
     class Tally(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -150,13 +172,10 @@ def tally_ops(step, inside: Optional[Dict[str, Callable]] = None) -> OpTally:
                 with Tally():  # the ATen ops it runs, on the same counts
                     launches = inside[name](*args, **kwargs)
                 for kernel, nbytes in launches:
-                    tally.calls[kernel] += 1
-                    tally.bytes[kernel] += nbytes
+                    count(kernel, nbytes, 0, (args, kwargs))
                 return out
-            tally.calls[name] += 1
-            tally.bytes[name] += tensor_bytes((args, kwargs)) + tensor_bytes(out)
-            if packet in formulas:
-                tally.flops[name] += formulas[packet](*args, **kwargs, out_val=out)
+            flops = formulas[packet](*args, **kwargs, out_val=out) if packet in formulas else 0
+            count(name, tensor_bytes((args, kwargs)) + tensor_bytes(out), flops, (args, kwargs))
             return out
     with Tally():
         step()

@@ -58,7 +58,6 @@ from benchmark_backbone import (build_model, check_model_names, parse_size,  # n
 from check_compile import DTYPES  # noqa: E402
 
 from flatten_mm.analysis import saved_tensor_bytes  # noqa: E402
-from flatten_mm.models.ops import available_backends, use_backend  # noqa: E402
 
 
 class Autocast(nn.Module):
@@ -121,7 +120,7 @@ def compile_forward(name: str, sizes: list, dtype: str, batch: int) -> list:
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, fullgraph=True, backend=backend)
-        with use_backend('auto'), cuda_autocast_without_gpu(), built_for_gpu(), fake_mode:
+        with on_fake_gpu(fake_mode):
             for size in sizes:
                 compiled(torch.randn(batch, 3, *size, device='cuda'))
     finally:
@@ -264,12 +263,36 @@ def run_backward(loss: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def on_fake_gpu(fake_mode, backend: str = 'auto'):
-    """Calls take the branches a GPU takes, on fake CUDA tensors: the core on
-    ``backend``, CUDA autocast, softmax attention as the GPU's fused kernel
-    (:func:`fused_sdpa`), the Triton ops as on a GPU they are built for."""
+def gpu_calls(fake_mode):
+    """Calls on fake CUDA tensors take the branches a GPU takes in torch: CUDA
+    autocast, softmax attention as the GPU's fused kernel (:func:`fused_sdpa`).
+    Nothing of flatten_mm's (a checkout of any version may be counted in it)."""
     with mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa), \
-            use_backend(backend), cuda_autocast_without_gpu(), built_for_gpu(), fake_mode:
+            cuda_autocast_without_gpu(), fake_mode:
+        yield
+
+
+@contextlib.contextmanager
+def on_fake_gpu(fake_mode, backend: str = 'auto'):
+    """:func:`gpu_calls`, with the core on ``backend`` and the Triton ops as on a
+    GPU they are built for."""
+    from flatten_mm.models.ops import use_backend
+    with use_backend(backend), built_for_gpu(), gpu_calls(fake_mode):
+        yield
+
+
+@contextlib.contextmanager
+def first_use_checks_passed():
+    """For a count only (the model is dropped after it, the Triton backends'
+    state restored): the tensor caches keep fake tensors, and the Triton ops'
+    first-use checks, which run kernels, pass."""
+    from flatten_mm.models import utils
+    from flatten_mm.models.ops import triton_backend, triton_conv
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
+        for module in (triton_backend, triton_conv):
+            stack.enter_context(mock.patch.object(module, '_agrees_on_first_use', lambda *a: True))
+            stack.enter_context(mock.patch.dict(module._KERNELS))  # 'ran' on the first call
         yield
 
 
@@ -295,20 +318,13 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
     backward (``flatten_mm.analysis.saved_tensor_bytes``: activations and
     autocast's half copies of weights, not the weights or the input). The core runs on
     ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
-    the GPU's fused kernel (:func:`fused_sdpa`). For the count only (the model
-    is dropped after it, the Triton backends' state restored): the tensor
-    caches keep fake tensors, and the Triton ops' first-use checks, which run
-    kernels, pass."""
-    from flatten_mm.models import utils
-    from flatten_mm.models.ops import triton_backend, triton_conv
+    the GPU's fused kernel (:func:`fused_sdpa`), the Triton ops' first-use
+    checks passed (:func:`first_use_checks_passed`)."""
     from launch_count import counted_launches
     from profile_backbone import tally_ops
     model, fake_mode = fake_cuda_model(name, dtype, release_dir)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
-        for module in (triton_backend, triton_conv):
-            stack.enter_context(mock.patch.object(module, '_agrees_on_first_use', lambda *a: True))
-            stack.enter_context(mock.patch.dict(module._KERNELS))  # 'ran' on the first call
+        stack.enter_context(first_use_checks_passed())
         stack.enter_context(on_fake_gpu(fake_mode, backend))
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
@@ -469,6 +485,7 @@ def count_graphs(name: str, sizes: list, dtype: str, batch: int) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from flatten_mm.models.ops import available_backends
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--models', nargs='+',
                         default=['flatten-swin-t', 'flatten-pvt-t', 'flatten-pvtv2-b1',
