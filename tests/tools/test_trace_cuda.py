@@ -332,3 +332,35 @@ def test_python_grad_is_autograd_grad():
             torch.testing.assert_close(g, w)
     torch.testing.assert_close(tool.python_grad(outputs[0], a)[0],
                                torch.autograd.grad(outputs[0], a, retain_graph=True)[0])
+
+
+def test_python_grad_passes_what_the_engine_passes_to_a_custom_function():
+    """A custom Function's backward gets zeros for an output without a
+    gradient, or None where it set ``set_materialize_grads(False)`` (under
+    ``materialize_choice_kept``, as the counts run): the engine's choice, so
+    the counts see the fills the engine makes, and only those."""
+    import torch
+    tool = load_tool()
+    seen = {}
+
+    def function(materialize):
+        class Two(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.set_materialize_grads(materialize)
+                return x * 2, x * 3
+
+            @staticmethod
+            def backward(ctx, ga, gb):
+                seen[materialize] = gb
+                return 2 * ga
+        return Two
+    x = torch.randn(4, requires_grad=True)
+    with tool.materialize_choice_kept():
+        for materialize in (True, False):
+            a, _ = function(materialize).apply(x)
+            torch.autograd.grad(a.sum(), x, retain_graph=True)
+            engine = seen.pop(materialize)
+            got = tool.python_grad(a.sum(), x)
+            assert (seen[materialize] is None) == (engine is None) == (not materialize)
+            torch.testing.assert_close(got[0], torch.full((4, ), 2.))

@@ -182,16 +182,34 @@ def _nodes_to_inputs(roots: list, targets: set) -> set:
     return {node for node, lead in leads.items() if lead}
 
 
+MATERIALIZE = '_materializes_grads'  # a custom Function's choice, kept readable
+
+
+@contextlib.contextmanager
+def materialize_choice_kept():
+    """``ctx.set_materialize_grads(value)`` also keeps ``value`` where
+    :func:`_call_node` can read it (torch's own attribute is write-only)."""
+    setter = torch.autograd.function.FunctionCtx.set_materialize_grads
+
+    def keep(ctx, value: bool) -> None:
+        setter(ctx, value)
+        setattr(ctx, MATERIALIZE, value)
+    with mock.patch.object(torch.autograd.function.FunctionCtx, 'set_materialize_grads', keep):
+        yield
+
+
 def _call_node(node, given: dict) -> tuple:
     """A node's input gradients from those ``given`` to its outputs: a C++
     node takes the absent ones undefined, a Python one (a custom
-    ``autograd.Function``) as zeros, as the engine passes them."""
+    ``autograd.Function``) as zeros unless it set ``set_materialize_grads(False)``
+    (:func:`materialize_choice_kept`), as the engine passes them."""
     args = [given.get(i) for i in range(len(node._input_metadata))]
     if callable(node):  # C++ node
         outs = node(*args)
     else:
-        args = [torch.zeros(list(meta.shape), dtype=meta.dtype, device=meta.device)
-                if a is None else a for a, meta in zip(args, node._input_metadata)]
+        if getattr(node, MATERIALIZE, True):
+            args = [torch.zeros(list(meta.shape), dtype=meta.dtype, device=meta.device)
+                    if a is None else a for a, meta in zip(args, node._input_metadata)]
         outs = node.apply(*args)
     return outs if isinstance(outs, tuple) else (outs, )
 
@@ -265,10 +283,11 @@ def run_backward(loss: torch.Tensor) -> None:
 @contextlib.contextmanager
 def gpu_calls(fake_mode):
     """Calls on fake CUDA tensors take the branches a GPU takes in torch: CUDA
-    autocast, softmax attention as the GPU's fused kernel (:func:`fused_sdpa`).
+    autocast, softmax attention as the GPU's fused kernel (:func:`fused_sdpa`);
+    custom Functions' choice of zero gradients kept for :func:`python_grad`.
     Nothing of flatten_mm's (a checkout of any version may be counted in it)."""
     with mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa), \
-            cuda_autocast_without_gpu(), fake_mode:
+            cuda_autocast_without_gpu(), materialize_choice_kept(), fake_mode:
         yield
 
 

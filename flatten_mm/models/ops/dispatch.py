@@ -212,7 +212,7 @@ def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
                    num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The hand-written autograd function."""
     return in_fp32(lambda q, k, v: FocusedLinearAttentionFn.apply(
-        q, k, v, 1.0 / focusing_scale(scale, q.dtype), focusing_factor, num_heads, key_mask,
+        q, k, v, focusing_scale(scale, q.dtype).reciprocal(), focusing_factor, num_heads, key_mask,
         overwrite_qk), q, k, v)
 
 

@@ -246,11 +246,15 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask)
     ctx.focusing_factor, ctx.num_heads = focusing_factor, num_heads
     ctx.mark_non_differentiable(kv, km, stats_q, stats_k)
+    # their gradients stay None: no four zero-filled tensors made for each backward
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple:
+def _backward(ctx: Any, grad_out: Optional[Tensor], *_: Optional[Tensor]) -> tuple:
     """Autograd formula of the forward op: the backward op (the states' and
     statistics' gradients are ignored: they are non-differentiable outputs)."""
+    if grad_out is None:  # out's gradient is undefined: nothing flows back
+        return (None, ) * 7
     q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask = ctx.saved_tensors
     grads = torch.ops.flatten_mm.triton_attention_backward(
         grad_out, q, k, v, s_inv, kv, km, stats_q, stats_k, ctx.focusing_factor, ctx.num_heads,
@@ -320,7 +324,7 @@ def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor:
                 num_heads: int, key_mask: Optional[Tensor] = None) -> Tensor:
     """The forward op, with s_inv made from ``scale`` by differentiable PyTorch ops."""
     with autocast_off(q.device.type):
-        s_inv = 1.0 / focusing_scale(scale, torch.float32)
+        s_inv = focusing_scale(scale, torch.float32).reciprocal()  # one op, not 1.0 / x's two
     return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
                                                  int(num_heads), key_mask)[0]
 
