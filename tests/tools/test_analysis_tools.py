@@ -1,22 +1,15 @@
 """tools/analysis_tools: get_flops, benchmark_attention, benchmark_backbone."""
 import copy
 import csv
-import importlib.util
 import json
 import os.path as osp
 
 import pytest
 import torch
 
+from analysis_tool import load_tool
+
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(
-        name, osp.join(ROOT, 'tools', 'analysis_tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_get_flops_of_flatten_pvt_tiny_matches_the_official_count(tmp_path):

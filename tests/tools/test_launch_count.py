@@ -5,27 +5,15 @@ its kernel uses under the launch's compile-time flags.
 Counted as one op each, a layer's attention read q and k once; its kernels
 read them twice (statistics, then state or output pass), and the backward's
 passes q, g, k and v once or twice."""
-import importlib.util
-import os.path as osp
-import sys
 
 import pytest
 import torch
 
 from flatten_mm.models.ops import available_backends
 
-ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-TOOLS = osp.join(ROOT, 'tools', 'analysis_tools')
+from analysis_tool import load_tool
+
 pytestmark = pytest.mark.skipif('triton' not in available_backends(), reason='needs triton')
-
-
-def load(name):
-    if TOOLS not in sys.path:  # the tools import each other by name
-        sys.path.insert(0, TOOLS)
-    spec = importlib.util.spec_from_file_location(name, osp.join(TOOLS, f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_kernels_flags_decide_which_tensors_it_uses():
@@ -33,7 +21,7 @@ def test_a_kernels_flags_decide_which_tensors_it_uses():
     its else branch, or ``if not FLAG:``) counts only when the launch sets the
     flag so; a pointer handed to a helper outside such a block always counts."""
     from flatten_mm.models.ops import triton_backend
-    lc = load('launch_count')
+    lc = load_tool('launch_count')
     ks = triton_backend.kernels()
 
     def pointers(fn, **flags):
@@ -62,7 +50,8 @@ def count_layer(heads):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flatten_mm.models import FocusedLinearAttention
-    trace_cuda, lc, pb = load('trace_cuda'), load('launch_count'), load('profile_backbone')
+    trace_cuda, lc = load_tool('trace_cuda'), load_tool('launch_count')
+    pb = load_tool('profile_backbone')
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     layer = trace_cuda.to_fake_cuda(FocusedLinearAttention(32, heads), fake_mode)
     with trace_cuda.on_fake_gpu(fake_mode, 'triton'), lc.counted_launches() as inside:
@@ -113,7 +102,7 @@ def test_what_a_launch_leaves_uncounted_its_kernel_does_not_touch():
     from flatten_mm.models.ops import triton_backend, use_backend
     if not triton_backend.interpreted():
         pytest.skip('runs the kernels under the interpreter')
-    lc = load('launch_count')
+    lc = load_tool('launch_count')
     left_out = set()
 
     def rerun(name, kernel, grid, args, kwargs):  # then again, the uncounted poisoned

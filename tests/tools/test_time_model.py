@@ -1,28 +1,16 @@
 """tools/analysis_tools/time_model.py: a GPU step's time modeled from its counted
 ops, bytes and FLOPs, fitted on measured softmax rows."""
 import csv
-import importlib.util
 import json
-import os.path as osp
 import subprocess
-import sys
 
 import pytest
 
-ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-TOOLS = osp.join(ROOT, 'tools', 'analysis_tools')
+from analysis_tool import load_tool
 
 
-def load(name):
-    if TOOLS not in sys.path:  # the tools import each other by name
-        sys.path.insert(0, TOOLS)
-    spec = importlib.util.spec_from_file_location(name, osp.join(TOOLS, f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-tm = load('time_model')
+tm = load_tool('time_model')
 
 
 def test_a_step_takes_the_slower_of_host_and_gpu():
@@ -80,7 +68,7 @@ def test_measured_rows_need_their_batch(tmp_path):
 def test_a_case_counts_as_trace_cuda_counts_it():
     """The training step's ops and bytes are ``trace_cuda.py --count-ops``'s;
     the forward (eval, no gradients) has about the training forward's FLOPs."""
-    tc = load('trace_cuda')
+    tc = load_tool('trace_cuda')
     row = tc.count_step_ops('flatten-pvt-t', [64, 96], 'bf16', 1)
     step = tm.count_case('flatten-pvt-t', 'fwdbwd', 'bf16', 1, [64, 96])
     assert step.ops == row['forward']['ops'] + row['backward']['ops']

@@ -5,24 +5,15 @@ dtype asked for.
 Without this, the CUDA path's graph breaks show only on a GPU: the CPU path
 never reaches the Triton backend's choice (the fp32 TF32 read that broke every
 fp32 CUDA layer's graph passed every CPU test)."""
-import importlib.util
-import os.path as osp
 import sys
 
 import pytest
 
 from flatten_mm.models.ops import available_backends
 
-ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+from analysis_tool import load_tool
+
 pytestmark = pytest.mark.skipif('triton' not in available_backends(), reason='needs triton')
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location(
-        'trace_cuda', osp.join(ROOT, 'tools', 'analysis_tools', 'trace_cuda.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # linear-attention blocks of each tiny model: one attention op each, and one
@@ -32,7 +23,7 @@ BLOCKS = {'flatten-swin-t': (4, 4), 'flatten-pvt-t': (8, 8), 'flatten-pvtv2-b1':
 
 
 def test_every_family_traces_for_cuda_in_one_graph(tmp_path):
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     rows = tool.main(['--models', *BLOCKS, '--size', '64x96', '--dtypes', 'fp32',
                       '--batch', '1', '--out', str(tmp_path / 'rows.json')])
     rows += tool.main(['--models', 'flatten-swin-t', '--size', '64x96', '--dtypes', 'bf16',
@@ -52,7 +43,7 @@ def test_a_break_fails_the_run(monkeypatch):
     import torch
 
     from flatten_mm.models.ops import dispatch
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     # the setting read as before the fix: dynamo cannot trace the C getter
     monkeypatch.setattr(dispatch, '_cuda_matmul_is_ieee',
                         lambda: torch.backends.cuda.matmul.fp32_precision == 'ieee')
@@ -72,7 +63,7 @@ def test_compiled_on_the_cuda_path_one_graph_per_size(monkeypatch):
     from flatten_mm.models.ops import triton_backend, triton_conv
     monkeypatch.setattr(triton_backend, '_KERNELS', {})
     monkeypatch.setattr(triton_conv, '_KERNELS', {})
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     for name in ('flatten-pvt-t', 'flatten-swin-t'):
         row = tool.count_graphs(name, [[64, 96], [64, 80]], 'fp32', 1)
         assert row['status'] == 'ok' and row['graphs'] == 2, row
@@ -97,7 +88,7 @@ def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
     stripes take q, k and v as views, so their backward writes one gradient,
     no zero-filled selects (before the views the two steps moved 33.7 and
     36.6 GB). Fake tensors cost the same at any size."""
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     pairs = [('flatten-pvt-t', 'pvt-t'), ('flatten-pvtv2-b1', 'pvtv2-b1'),
              ('flatten-swin-t', 'swin-t'), ('flatten-cswin-t', 'cswin-t')]
     rows = tool.main(['--models', *[m for pair in pairs for m in pair], '--size', '800x1333',
@@ -146,7 +137,7 @@ def test_run_backward_gives_the_engines_gradients():
     functions (the CPU path's core and DWC), broadcasts, in-place updates of
     views, padded windows and inputs used several times."""
     import torch
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     torch.manual_seed(0)
     model = tool.build_model('flatten-swin-t')
     model.train()
@@ -176,7 +167,7 @@ def test_counts_the_authors_release_after_ours(tmp_path, monkeypatch):
     its models are counted last, whatever the order asked: ``timm:NAME`` is
     still flatten_mm's (its attention ops on the CUDA path)."""
     import timm
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     models = tmp_path / 'release' / 'models'
     models.mkdir(parents=True)
     (models / '__init__.py').write_text('')
@@ -210,7 +201,7 @@ def test_compiled_step_counts_inductors_kernels_for_a_gpu():
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
     from flatten_mm import FocusedLinearAttention
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
 
     class Chain(nn.Module):
         def __init__(self):
@@ -267,7 +258,7 @@ def test_compiled_depthwise_conv_backward_copies_no_map():
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
     from flatten_mm.models.layers import Mlp
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
 
     class Block(nn.Module):
         def __init__(self):
@@ -300,7 +291,7 @@ def test_attention_layer_keeps_a_quarter_of_the_references_bytes():
     training step reads and writes 0.288x the reference's bytes at both shapes
     (the Triton ops by their launches; the target, 3x the reference's speed,
     is 0.33x of its time), about 77 maps of the layer's input."""
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     rows = tool.main(['--core-cases', '200x334x96x3', '100x167x192x6', '--dtypes', 'bf16',
                       '--batch', '16'])
     for row, (n, c) in zip(rows, [(200 * 334, 96), (100 * 167, 192)]):
@@ -316,7 +307,7 @@ def test_python_grad_is_autograd_grad():
     gradient), a node with two outputs, an input that takes no part, and a
     single tensor as inputs."""
     import torch
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     a = torch.randn(5, 3, requires_grad=True)
     hidden = a * 2
     left, right = hidden.split([1, 2], dim=1)
@@ -340,7 +331,7 @@ def test_python_grad_passes_what_the_engine_passes_to_a_custom_function():
     ``materialize_choice_kept``, as the counts run): the engine's choice, so
     the counts see the fills the engine makes, and only those."""
     import torch
-    tool = load_tool()
+    tool = load_tool('trace_cuda')
     seen = {}
 
     def function(materialize):
