@@ -326,25 +326,22 @@ def test_layer_compiles_whole_where_dynamo_cannot_trace_the_autocast_query(monke
     assert got.dtype == torch.bfloat16
 
 
-def test_autocast_casts_the_kv_weight_once():
+@pytest.mark.parametrize('sr_ratio,qkv_bias', [(1, True), (2, True), (1, False)])
+def test_autocast_casts_the_kv_weight_once(sr_ratio, qkv_bias):
     """k and v are two products of slices of the kv projection; under autocast
     its weight and bias are cast once each before slicing (autocast would cast
     each slice apart), and their gradients cast back once each."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    layer = FocusedLinearAttention(32, 2, pos_grid=(6, 8))
+    layer = FocusedLinearAttention(32, 2, sr_ratio=sr_ratio, qkv_bias=qkv_bias, pos_grid=(6, 8))
     x = torch.randn(2, 48, 32, requires_grad=True)
-    casts = []
+    outs = []
 
-    class Casts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket is torch.ops.aten._to_copy:
-                casts.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-    with Casts(), torch.autocast('cpu', dtype=torch.bfloat16):
-        out = layer(x, (6, 8))
-    forward, casts[:] = list(casts), []
-    with Casts():
-        out.float().square().sum().backward()
-    for shape in ((64, 32), (64, )):  # kv.weight, kv.bias: 2C outputs
-        assert forward.count(shape) == 1 and casts.count(shape) == 1, (shape, forward, casts)
+    def forward():
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            outs.append(layer(x, (6, 8)))
+    forward_casts = [tuple(a[0].shape) for a in calls_of(torch.ops.aten._to_copy, forward)]
+    backward_casts = [tuple(a[0].shape) for a in calls_of(
+        torch.ops.aten._to_copy, lambda: outs[0].float().square().sum().backward())]
+    for shape in ((64, 32), (64, )) if qkv_bias else ((64, 32), ):  # kv's 2C outputs
+        assert forward_casts.count(shape) == 1, (shape, forward_casts)
+        assert backward_casts.count(shape) == 1, (shape, backward_casts)
     assert layer.kv.weight.grad.dtype == torch.float32 and layer.kv.weight.grad.abs().sum() > 0

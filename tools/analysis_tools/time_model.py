@@ -23,8 +23,11 @@ and multiplying, one kernel after the other. BW, C and the two F are fitted
 the softmax models in the ``--measured`` CSVs (``benchmark_backbone.py``'s
 ``results.csv``), whose code is mmdet's and the same today. The measured rows
 of flatten models ran the flatten_mm of their day: ``--rev-dir`` names a
-checkout of it (a ``git worktree`` of that commit), and the model's error on
-those rows, which it was not fitted on, is the figure of merit. The cases of
+checkout of it (a ``git worktree`` of that commit: one from before the Triton
+ops, or one with these), and the model's error on those rows, which it was
+not fitted on, is the figure of merit. Those rows hold no Triton launch: that
+a launch costs the host what an ATen op does is the model's assumption, not
+tested by them (each counts as one op, with no FLOPs). The cases of
 ``--models`` at ``--batch``/``--size`` are then counted with this checkout
 and predicted, each against its baseline. A model, not a measurement: what it
 leaves out (kernels slower than their bytes, overlap of host and GPU) is in
@@ -33,7 +36,6 @@ the error it makes on the rows it was not fitted on.
 import argparse
 import contextlib
 import csv
-import importlib.util
 import itertools
 import json
 import math
@@ -105,15 +107,6 @@ def fit(pairs: List[Tuple[Profile, float]]) -> Tuple[Params, float]:
     return best
 
 
-def has_triton_ops() -> bool:
-    """Whether the flatten_mm imported here has the Triton ops (an older
-    checkout may have none, or no ops package)."""
-    try:
-        return importlib.util.find_spec('flatten_mm.models.ops.triton_backend') is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def count_case(name: str, mode: str, dtype: str, batch: int, size: list) -> Profile:
     """The :class:`Profile` of one case, as the module docstring says."""
     import torch
@@ -123,19 +116,12 @@ def count_case(name: str, mode: str, dtype: str, batch: int, size: list) -> Prof
     model, fake_mode = trace_cuda.fake_cuda_model(name, dtype)
     log = []
     with contextlib.ExitStack() as stack:
-        triton = has_triton_ops()
-        if triton:
-            from launch_count import counted_launches
-            stack.enter_context(trace_cuda.first_use_checks_passed())
-            stack.enter_context(trace_cuda.on_fake_gpu(fake_mode))
-        else:
-            stack.enter_context(trace_cuda.gpu_calls(fake_mode))
+        inside = stack.enter_context(trace_cuda.counting_on_fake_gpu(fake_mode))
         x = torch.randn(batch, 3, *size, device='cuda')
         if mode == 'fwd':
             model.eval()
             stack.enter_context(torch.no_grad())
         model(x)  # fills the caches
-        inside = stack.enter_context(counted_launches()) if triton else {}
         if mode == 'fwd':
             tally_ops(lambda: model(x), inside, log)
         else:
@@ -170,8 +156,10 @@ def count_all(keys: List[str], rev_dir: Optional[str], jobs: int = 2
     def run(model: str) -> list:
         rev = rev_dir if model.startswith('flatten-') else None
         spec = json.dumps(dict(cases=by_model[model], rev_dir=rev))
-        done = subprocess.run([sys.executable, __file__, '--worker', spec], check=True,
-                              stdout=subprocess.PIPE, text=True)
+        done = subprocess.run([sys.executable, __file__, '--worker', spec],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f'counting {model} failed:\n' + done.stderr[-3000:])
         return json.loads(done.stdout.strip().splitlines()[-1])
     profiles = {}
     with ThreadPoolExecutor(jobs) as pool:
@@ -182,12 +170,13 @@ def count_all(keys: List[str], rev_dir: Optional[str], jobs: int = 2
 
 
 def case_key(model: str, mode: str, dtype: str, batch: int, size: str) -> str:
+    """A case's key: JSON of (model, mode, dtype, batch, [H, W]), ``size`` 'HxW'."""
     return json.dumps([model, mode, dtype, int(batch), [int(v) for v in size.split('x')]])
 
 
 def read_measured(paths: List[str]) -> Dict[str, float]:
     """Measured seconds by case key, from ``benchmark_backbone.py`` CSVs (rows
-    with status ok, eager)."""
+    on CUDA with status ok, eager; a case measured twice is a ValueError)."""
     rows = {}
     for path in paths:
         with open(path, newline='') as f:
@@ -195,10 +184,14 @@ def read_measured(paths: List[str]) -> Dict[str, float]:
                 if 'batch' not in row:
                     raise ValueError(f'{path} has no batch column: the time model needs the '
                                      'batch of every row')
-                if row['status'] == 'ok' and row.get('compiled', 'False') in ('', 'False'):
-                    key = case_key(row['model'], row['mode'], row['dtype'], row['batch'],
-                                   row['size'])
-                    rows[key] = float(row['median_ms']) / 1e3
+                if row['status'] != 'ok' or row.get('compiled', 'False') not in ('', 'False') \
+                        or row.get('device', 'cuda') != 'cuda':
+                    continue
+                key = case_key(row['model'], row['mode'], row['dtype'], row['batch'],
+                               row['size'])
+                if key in rows:
+                    raise ValueError(f'{path} measures {key} again: give each case once')
+                rows[key] = float(row['median_ms']) / 1e3
     return rows
 
 
@@ -232,12 +225,14 @@ def report_rows(keys: List[str], profiles: Dict[str, Profile], p: Params,
 
 
 def fmt(v, spec: str) -> str:
+    """``v`` formatted by ``spec``, '-' for None."""
     return '-' if v is None else format(v, spec)
 
 
 def print_rows(title: str, rows: List[dict]) -> None:
     print(f'\n{title}\n| case | ops | host ms | GPU ms | modeled ms | measured ms | '
-          'modeled / measured | × baseline, modeled | × baseline, measured |\n' + '|---' * 9 + '|')
+          'modeled / measured | × baseline, modeled | × baseline, measured |')
+    print('|---' * 9 + '|')
     for r in rows:
         print(f"| {r['model']} {r['mode']} {r['dtype']} b{r['batch']} {r['size']} | {r['ops']} | "
               f"{r['host_ms']:.1f} | {r['gpu_ms']:.1f} | {r['modeled_ms']:.1f} | "
@@ -288,7 +283,10 @@ def main(argv=None) -> dict:
           f'{p.half / 1e12:.0f} TFLOP/s 16-bit, {p.fp32 / 1e12:.0f} TFLOP/s fp32')
     rows = report_rows(list(measured), profiles, p, measured)
     print_rows('Measured rows', rows)
-    now = count_all(predicted, None)  # this checkout's, apart from the measured ones
+    # this checkout's; the softmax models' counts (and all, without --rev-dir) reused
+    now = {k: profiles[k] for k in predicted if k in profiles
+           and not (args.rev_dir and json.loads(k)[0].startswith('flatten-'))}
+    now.update(count_all([k for k in predicted if k not in now], None))
     predictions = report_rows(predicted, now, p, {})
     if predictions:
         print_rows('Predicted with this checkout', predictions)

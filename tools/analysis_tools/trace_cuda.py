@@ -120,7 +120,8 @@ def compile_forward(name: str, sizes: list, dtype: str, batch: int) -> list:
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, fullgraph=True, backend=backend)
-        with on_fake_gpu(fake_mode):
+        from flatten_mm.models.ops import use_backend
+        with use_backend('auto'), cuda_autocast_without_gpu(), built_for_gpu(), fake_mode:
             for size in sizes:
                 compiled(torch.randn(batch, 3, *size, device='cuda'))
     finally:
@@ -285,7 +286,7 @@ def gpu_calls(fake_mode):
     """Calls on fake CUDA tensors take the branches a GPU takes in torch: CUDA
     autocast, softmax attention as the GPU's fused kernel (:func:`fused_sdpa`);
     custom Functions' choice of zero gradients kept for :func:`python_grad`.
-    Nothing of flatten_mm's (a checkout of any version may be counted in it)."""
+    Nothing of flatten_mm's (a checkout from before its ops may be counted in it)."""
     with mock.patch.object(F, 'scaled_dot_product_attention', fused_sdpa), \
             cuda_autocast_without_gpu(), materialize_choice_kept(), fake_mode:
         yield
@@ -315,6 +316,42 @@ def first_use_checks_passed():
         yield
 
 
+def has_triton_ops() -> bool:
+    """Whether the flatten_mm imported here has the Triton ops (a checkout from
+    before them has none, or no ops package)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec('flatten_mm.models.ops.triton_backend') is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def counting_on_fake_gpu(fake_mode, backend: str = 'auto'):
+    """What an op count on fake CUDA tensors runs under, yielding
+    ``profile_backbone.tally_ops``'s ``inside`` map: the Triton ops counted by
+    their launches (:func:`launch_count.counted_launches`), their first-use
+    checks passed, the calls a GPU takes (:func:`on_fake_gpu`). A flatten_mm
+    from before the Triton ops (an older checkout) runs under :func:`gpu_calls`
+    with an empty map; one with Triton ops other than these cannot be counted
+    (RuntimeError naming it)."""
+    if not has_triton_ops():
+        with gpu_calls(fake_mode):
+            yield {}
+        return
+    from launch_count import counted_launches
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(first_use_checks_passed())
+        except (ImportError, AttributeError) as err:
+            import flatten_mm
+            raise RuntimeError(f'the flatten_mm at {flatten_mm.__file__} has Triton ops that '
+                               f'this tool cannot count ({err}): count a checkout from before '
+                               'them, or one with these') from err
+        stack.enter_context(on_fake_gpu(fake_mode, backend))
+        yield stack.enter_context(counted_launches())
+
+
 def built_for_gpu():
     """'auto' takes the Triton ops for fake CUDA tensors whatever GPU this machine
     has (a V100's capability would send them to torch: ``gpu_supported``)."""
@@ -338,17 +375,13 @@ def count_step_ops(name: str, size: list, dtype: str, batch: int, backend: str =
     autocast's half copies of weights, not the weights or the input). The core runs on
     ``backend`` (``'auto'``: the Triton ops, as on a GPU), softmax attention as
     the GPU's fused kernel (:func:`fused_sdpa`), the Triton ops' first-use
-    checks passed (:func:`first_use_checks_passed`)."""
-    from launch_count import counted_launches
+    checks passed (:func:`counting_on_fake_gpu`)."""
     from profile_backbone import tally_ops
     model, fake_mode = fake_cuda_model(name, dtype, release_dir)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(first_use_checks_passed())
-        stack.enter_context(on_fake_gpu(fake_mode, backend))
+    with counting_on_fake_gpu(fake_mode, backend) as inside:
         x = torch.randn(batch, 3, *size, device='cuda')
         model(x)
         losses = []
-        inside = stack.enter_context(counted_launches())
         forward = tally_ops(lambda: losses.append(saved_tensor_bytes(
             lambda: training_loss(model(x)), [x, *model.parameters()])), inside)
         backward = tally_ops(lambda: run_backward(losses[0][0]), inside)

@@ -670,18 +670,21 @@ def test_the_backward_makes_no_zero_gradients_for_the_states():
     """The op's states and row statistics are non-differentiable outputs:
     autograd hands its backward None for them, not four zero-filled tensors
     (``set_materialize_grads(False)``: four kernel launches fewer a layer on a
-    GPU); the gradients stay the reference's."""
+    GPU); the scale's inverse is one ``reciprocal`` (``1.0 / x`` is two ops);
+    the gradients stay the reference's."""
     from torch.utils._python_dispatch import TorchDispatchMode
     q, k, v, scale, _, g = inputs(2, 24, 24, 16, torch.float32)
     ts = [t.detach().requires_grad_() for t in (q, k, v, scale)]
-    with use_backend('triton'):
-        out = focused_linear_attention(*ts, 3.0, 2, None)
     ops = []
 
     class Log(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
+    with Log(), use_backend('triton'):
+        out = focused_linear_attention(*ts, 3.0, 2, None)
+    assert 'triton_attention' in ops and 'reciprocal' in ops and 'mul' not in ops, ops
+    ops.clear()
     with Log():
         grads = torch.autograd.grad(out, ts, g)
     assert 'triton_attention_backward' in ops
