@@ -224,10 +224,8 @@ class FocusedLinearAttention(nn.Module):
         else:
             grid = tuple(hw_shape)
         C = self.embed_dims
-        # the kv weight cast once under autocast, then sliced: autocast would cast
-        # each slice, and their gradients back, apart
-        w, b = autocast_input(self.kv.weight), self.kv.bias
-        b = None if b is None else autocast_input(b)
+        # cast once under autocast, then sliced (autocast casts each slice and its gradient)
+        w, b = (None if t is None else autocast_input(t) for t in (self.kv.weight, self.kv.bias))
         k = F.linear(x, w[:C], None if b is None else b[:C])
         v = F.linear(x, w[C:], None if b is None else b[C:])
         k = encode_grid_keys(self, k, grid)
