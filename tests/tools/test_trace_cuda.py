@@ -358,3 +358,33 @@ def test_python_grad_passes_what_the_engine_passes_to_a_custom_function():
             got = tool.python_grad(a.sum(), x)
             assert (seen[materialize] is None) == (engine is None) == (not materialize)
             torch.testing.assert_close(got[0], torch.full((4, ), 2.))
+
+
+def test_reduced_keys_take_the_fused_dwc_under_autocast():
+    """A layer with reduced keys (``sr_ratio=2``) resizes V to the query grid
+    before its DWC; CUDA's autocast would resize a bf16 V in fp32, and the fused
+    DWC op (out and V of one dtype) would give way to a cast, a convolution and
+    an add. V is resized in its own dtype: one ``triton::conv_add`` each way,
+    the only convolution the key reduction's."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from flatten_mm import FocusedLinearAttention
+    tool, pb = load_tool('trace_cuda'), load_tool('profile_backbone')
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    layer = tool.to_fake_cuda(FocusedLinearAttention(32, 2, sr_ratio=2, pos_grid=(6, 8)),
+                              fake_mode)
+    with tool.counting_on_fake_gpu(fake_mode) as inside:
+        x = torch.randn(2, 48, 32, device='cuda', requires_grad=True)
+        losses = []
+
+        def forward():
+            with torch.autocast('cuda', dtype=torch.bfloat16):
+                losses.append(layer(x, (6, 8)).float().mean())
+        forward()
+        losses.clear()
+        log = []
+        calls = pb.tally_ops(forward, inside, log).calls
+        back = pb.tally_ops(lambda: tool.run_backward(losses[0]), inside).calls
+    assert calls.get('triton::conv_add') == 1 and calls['aten::convolution'] == 1, calls
+    assert 'aten::add_' not in calls and back['triton::conv_weight_grad'] == 1, back
+    assert [half for name, _, _, half in log if name == 'aten::upsample_bilinear2d'] == [True]
