@@ -326,8 +326,14 @@ def local_kernel(layer: nn.Module) -> Optional[Tuple[Tensor, Tensor]]:
     if lepe is not None:
         # DWC(V) + LePE(V) is one depth-wise conv: both are centred and
         # zero-padded, so their kernels add (the smaller one zero-padded)
-        k = max(weight.shape[-1], 3)
-        weight = F.pad(weight, [(k - weight.shape[-1]) // 2] * 4) + \
-            F.pad(lepe.weight, [(k - 3) // 2] * 4)
+        k = max(weight.shape[-1], lepe.weight.shape[-1])
+        weight = padded_to(weight, k) + padded_to(lepe.weight, k)
         bias = bias + lepe.bias
     return weight, bias
+
+
+def padded_to(weight: Tensor, k: int) -> Tensor:
+    """A (C, 1, K, K) kernel centred in k x k zeros; itself if K == k (a pad
+    by nothing is still a copy, a kernel launch on a GPU)."""
+    pad = (k - weight.shape[-1]) // 2
+    return F.pad(weight, [pad] * 4) if pad else weight

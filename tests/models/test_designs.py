@@ -471,3 +471,23 @@ def test_every_design_on_cuda_equals_cpu(name):
     for a, b in zip(outs, want):
         assert torch.isfinite(a).all()
         assert ((a.float().cpu() - b).norm() / b.norm()).item() < 3e-2
+
+
+@pytest.mark.parametrize('kernel_size,pads', [(5, 1), (3, 0), (1, 1)])
+def test_dwc_and_lepe_merge_into_one_kernel_padding_only_the_smaller(kernel_size, pads):
+    """The DWC (repeated per head) and LePE's 3x3 kernel add into one kernel
+    of the larger size, centred; a kernel already of that size is not padded
+    (a pad by nothing is a copy: a kernel launch every training step)."""
+    from backbone_checks import calls_of
+    from flatten_mm.models.designs import local_kernel
+    m = FocusedLinearAttention(8, 2, pos_grid=(5, 7), lepe=True, kernel_size=kernel_size)
+    got = []
+    assert len(calls_of(torch.ops.aten.constant_pad_nd,
+                        lambda: got.extend(local_kernel(m)))) == pads
+    k = max(kernel_size, 3)
+    want = torch.zeros(8, 1, k, k)
+    d, o = (k - kernel_size) // 2, (k - 3) // 2
+    want[..., d:d + kernel_size, d:d + kernel_size] += m.dwc.weight.repeat(2, 1, 1, 1)
+    want[..., o:o + 3, o:o + 3] += m.get_v.weight
+    torch.testing.assert_close(got[0], want)
+    torch.testing.assert_close(got[1], m.dwc.bias.repeat(2) + m.get_v.bias)
