@@ -17,9 +17,9 @@ from .designs import check_design, check_kernel_size, get_design, local_kernel
 from .ops import depthwise_conv_add
 from .ops.conv import torch_conv_add
 from .resize import add_resized, cached_resize_parts, resize_tokens
-from .utils import (HWShape, add_projections, autocast_input, autocast_off, check_heads,
-                    check_number, check_positive_int, map_to_tokens, spatial_reduce,
-                    tokens_to_map, to_2tuple_checked)
+from .utils import (HWShape, add_projections, autocast_input, check_heads, check_number,
+                    check_positive_int, map_to_tokens, spatial_reduce, tokens_to_map,
+                    to_2tuple_checked)
 
 
 def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
@@ -103,10 +103,9 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
     P = layer.num_prefix_tokens
     v = grid_tokens(v, P)
     if tuple(grid) != tuple(hw_shape):
-        # resized in V's own dtype: autocast would resize a half V in fp32, and the
-        # fused DWC takes out and V of one dtype (else the cast, conv and add apart)
-        with autocast_off(v.device.type):
-            v = layer.conv_on_grid(v, grid, lambda m: m, hw_shape)
+        # resized as autocast has it (CUDA's in fp32: the backward sums V's gradient
+        # there), then in V's dtype again: the fused DWC takes out and V of one dtype
+        v = layer.conv_on_grid(v, grid, lambda m: m, hw_shape).to(v.dtype)
     C = v.shape[-1]
     if out.shape[-1] != C:  # in place into the first C channels
         torch_conv_add(out[..., :C], v, hw_shape, *kernel)

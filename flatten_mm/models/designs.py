@@ -333,7 +333,8 @@ def local_kernel(layer: nn.Module) -> Optional[Tuple[Tensor, Tensor]]:
 
 
 def padded_to(weight: Tensor, k: int) -> Tensor:
-    """A (C, 1, K, K) kernel centred in k x k zeros; itself if K == k (a pad
-    by nothing is still a copy, a kernel launch on a GPU)."""
+    """A (C, 1, K, K) kernel centred in k x k zeros; itself, not a copy, if
+    K == k (a pad by nothing is still a copy, a kernel launch on a GPU): not to
+    be written into."""
     pad = (k - weight.shape[-1]) // 2
     return F.pad(weight, [pad] * 4) if pad else weight
