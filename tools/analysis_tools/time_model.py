@@ -78,10 +78,16 @@ def profile_of(log: list) -> Profile:
     return Profile(len(log), sum(b for _, b, f, _ in log if not f), matmuls)
 
 
+def gpu_s(profile: Profile, bw: float, half: float, fp32: float) -> float:
+    """The GPU's seconds of ``profile``: each op by its bytes at ``bw`` or its
+    FLOPs at the ``half`` or ``fp32`` rate, whichever takes longer."""
+    return profile.plain_bytes / bw + sum(
+        max(b / bw, f / (half if is_half else fp32)) for b, f, is_half in profile.matmuls)
+
+
 def modeled_s(profile: Profile, p: Params) -> Tuple[float, float, float]:
     """(time, host, gpu) of ``profile`` under ``p``, in seconds."""
-    gpu = profile.plain_bytes / p.bw + sum(
-        max(b / p.bw, f / (p.half if half else p.fp32)) for b, f, half in profile.matmuls)
+    gpu = gpu_s(profile, p.bw, p.half, p.fp32)
     host = profile.ops * p.host
     return max(host, gpu), host, gpu
 
@@ -89,21 +95,15 @@ def modeled_s(profile: Profile, p: Params) -> Tuple[float, float, float]:
 def fit(pairs: List[Tuple[Profile, float]]) -> Tuple[Params, float]:
     """The :data:`GRID` point with the least root-mean-square error of
     log(modeled / measured) over (profile, measured seconds) ``pairs``, and that
-    error (:func:`modeled_s`, over the grid's host costs at once)."""
-    import numpy as np
-    host = np.array(GRID['host'])[:, None]
-    ops = np.array([float(prof.ops) for prof, _ in pairs])
-    measured = np.log([t for _, t in pairs])
-    arrays = [np.array(prof.matmuls, dtype=float).reshape(-1, 3) for prof, _ in pairs]
+    error (:func:`modeled_s`; the GPU's part once per point of the other three)."""
     best = None
     for bw, half, fp32 in itertools.product(GRID['bw'], GRID['half'], GRID['fp32']):
-        gpu = np.array([prof.plain_bytes / bw + np.maximum(
-            m[:, 0] / bw, m[:, 1] / np.where(m[:, 2] > 0, half, fp32)).sum()
-            for (prof, _), m in zip(pairs, arrays)])
-        err = np.sqrt(np.mean((np.log(np.maximum(host * ops, gpu)) - measured) ** 2, axis=1))
-        i = int(np.argmin(err))
-        if best is None or err[i] < best[1]:
-            best = (Params(bw, GRID['host'][i], half, fp32), float(err[i]))
+        gpus = [gpu_s(prof, bw, half, fp32) for prof, _ in pairs]
+        for host in GRID['host']:
+            err = math.sqrt(sum(math.log(max(prof.ops * host, gpu) / t) ** 2
+                                for (prof, t), gpu in zip(pairs, gpus)) / len(pairs))
+            if best is None or err < best[1]:
+                best = (Params(bw, host, half, fp32), err)
     return best
 
 
@@ -148,14 +148,15 @@ def worker(spec: dict) -> list:
 def count_all(keys: List[str], rev_dir: Optional[str], jobs: int = 2
               ) -> Dict[str, Profile]:
     """Profiles of the case ``keys`` (JSON of (model, mode, dtype, batch,
-    size)), one process a model (``jobs`` at a time): the flatten models counted with ``rev_dir``'s
-    flatten_mm where given."""
+    size)), one process a model (``jobs`` at a time): the flatten models
+    counted with ``rev_dir``'s flatten_mm where given."""
     by_model = {}
     for key in keys:
         by_model.setdefault(json.loads(key)[0], []).append(key)
+
     def run(model: str) -> list:
-        rev = rev_dir if model.startswith('flatten-') else None
-        spec = json.dumps(dict(cases=by_model[model], rev_dir=rev))
+        cases = by_model[model]
+        spec = json.dumps(dict(cases=cases, rev_dir=rev_dir if is_flatten(cases[0]) else None))
         done = subprocess.run([sys.executable, __file__, '--worker', spec],
                               capture_output=True, text=True)
         if done.returncode:
@@ -167,6 +168,12 @@ def count_all(keys: List[str], rev_dir: Optional[str], jobs: int = 2
             for key, prof in counted:
                 profiles[key] = Profile(prof[0], prof[1], [tuple(m) for m in prof[2]])
     return profiles
+
+
+def is_flatten(key: str) -> bool:
+    """Whether case ``key`` is of a flatten model (counted with ``--rev-dir``'s
+    checkout where measured; the rest fit the model)."""
+    return json.loads(key)[0].startswith('flatten-')
 
 
 def case_key(model: str, mode: str, dtype: str, batch: int, size: str) -> str:
@@ -208,11 +215,12 @@ def report_rows(keys: List[str], profiles: Dict[str, Profile], p: Params,
                 measured: Dict[str, float]) -> List[dict]:
     """A row per case: modeled time and its parts (ms), measured time and ratios
     where measured."""
-    modeled = {k: modeled_s(profiles[k], p)[0] for k in keys}
+    parts = {k: modeled_s(profiles[k], p) for k in keys}
+    modeled = {k: t for k, (t, _, _) in parts.items()}
     rows = []
     for key in keys:
         model, mode, dtype, batch, size = json.loads(key)
-        t, host, gpu = modeled_s(profiles[key], p)
+        t, host, gpu = parts[key]
         row = dict(model=model, mode=mode, dtype=dtype, batch=batch,
                    size='x'.join(map(str, size)), ops=profiles[key].ops,
                    modeled_ms=1e3 * t, host_ms=1e3 * host, gpu_ms=1e3 * gpu,
@@ -274,7 +282,7 @@ def main(argv=None) -> dict:
     predicted = [case_key(m, mode, dt, args.batch, args.size) for m in args.models
                  for mode in args.modes for dt in args.dtypes]
     profiles = count_all(list(measured), args.rev_dir)
-    fitted = [k for k in measured if not json.loads(k)[0].startswith('flatten-')]
+    fitted = [k for k in measured if not is_flatten(k)]
     if not fitted:
         raise ValueError('--measured has no softmax rows to fit the model on')
     p, err = fit([(profiles[k], measured[k]) for k in fitted])
@@ -284,8 +292,8 @@ def main(argv=None) -> dict:
     rows = report_rows(list(measured), profiles, p, measured)
     print_rows('Measured rows', rows)
     # this checkout's; the softmax models' counts (and all, without --rev-dir) reused
-    now = {k: profiles[k] for k in predicted if k in profiles
-           and not (args.rev_dir and json.loads(k)[0].startswith('flatten-'))}
+    now = {k: profiles[k] for k in predicted
+           if k in profiles and not (args.rev_dir and is_flatten(k))}
     now.update(count_all([k for k in predicted if k not in now], None))
     predictions = report_rows(predicted, now, p, {})
     if predictions:

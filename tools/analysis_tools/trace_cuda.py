@@ -483,14 +483,13 @@ def core_bytes(case: str, dtype: str, batch: int) -> dict:
     from benchmark_attention import parse_case
     from flatten_mm import FocusedLinearAttention
     from flatten_mm.analysis import reference_forward
-    from launch_count import counted_launches
     from profile_backbone import tally_ops
     H, W, C, heads = parse_case(case)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     layer = FocusedLinearAttention(C, heads, pos_grid=(H, W)).to(DTYPES[dtype]).train()
     layer = to_fake_cuda(layer, fake_mode)
     row = dict(case=case, dtype=dtype, batch=batch, status='ok')
-    with on_fake_gpu(fake_mode, 'triton'), counted_launches() as inside:
+    with counting_on_fake_gpu(fake_mode, 'triton') as inside:
         x = torch.randn(batch, H * W, C, device='cuda', dtype=DTYPES[dtype], requires_grad=True)
         for name, fn in (('triton', lambda: layer(x, (H, W))),
                          ('reference', lambda: reference_forward(layer, x, (H, W)))):

@@ -194,6 +194,12 @@ def focusing_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
     return F.softplus(scale.to(dtype)).view(-1)
 
 
+def inverse_focusing_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """1 / softplus(scale), (C,) in ``dtype``: the factor the fast backends
+    take. One ``reciprocal`` (``1.0 / x`` is a reciprocal and a multiply)."""
+    return focusing_scale(scale, dtype).reciprocal()
+
+
 def register_op_pair(name: str, forward: tuple, backward: tuple, autograd: tuple) -> None:
     """``flatten_mm::NAME`` and ``flatten_mm::NAME_backward`` as ``torch.library``
     custom ops, each from its (implementation, fake implementation), the forward's
@@ -212,7 +218,7 @@ def _torch_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
                    num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
     """The hand-written autograd function."""
     return in_fp32(lambda q, k, v: FocusedLinearAttentionFn.apply(
-        q, k, v, focusing_scale(scale, q.dtype).reciprocal(), focusing_factor, num_heads, key_mask,
+        q, k, v, inverse_focusing_scale(scale, q.dtype), focusing_factor, num_heads, key_mask,
         overwrite_qk), q, k, v)
 
 

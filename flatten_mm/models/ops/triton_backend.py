@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from ..utils import autocast_off
-from .dispatch import (_torch_backend, exact_fp32, focusing_scale, get_backend,
+from .dispatch import (_torch_backend, exact_fp32, get_backend, inverse_focusing_scale,
                        register_backend, register_op_pair)
 
 # registered when triton is installed; imported on the first call only, so
@@ -324,7 +324,7 @@ def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor:
                 num_heads: int, key_mask: Optional[Tensor] = None) -> Tensor:
     """The forward op, with s_inv made from ``scale`` by differentiable PyTorch ops."""
     with autocast_off(q.device.type):
-        s_inv = focusing_scale(scale, torch.float32).reciprocal()  # one op, not 1.0 / x's two
+        s_inv = inverse_focusing_scale(scale, torch.float32)
     return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
                                                  int(num_heads), key_mask)[0]
 
