@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .designs import check_design, check_kernel_size, get_design, local_kernel
 from .ops import depthwise_conv_add
 from .ops.conv import torch_conv_add
-from .resize import add_resized, cached_resize_parts, resize_tokens
+from .resize import add_resized_to_block_, cached_resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, autocast_input, check_heads, check_number,
                     check_positive_int, map_to_tokens, spatial_reduce, tokens_to_map,
                     to_2tuple_checked)
@@ -77,18 +77,6 @@ def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
     return split_prefix(x, num_prefix_tokens)[1] if num_prefix_tokens else x
 
 
-def encode_grid_keys(layer: nn.Module, k: Tensor, grid: HWShape) -> Tensor:
-    """k (B, P + h*w, C) plus ``layer``'s positional encoding on the grid's
-    keys (the last h*w), in place in inference when there is no prefix key;
-    prefix keys get none, and are concatenated back (torch.export traces no
-    in-place write into a slice of k)."""
-    P = layer.num_prefix_tokens
-    if not P:
-        return layer.add_positional_encoding_(k, grid)
-    prefix, keys = split_prefix(k, P)
-    return torch.cat([prefix, layer.add_positional_encoding_(keys.contiguous(), grid)], 1)
-
-
 def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
                    hw_shape: HWShape) -> Tensor:
     """The attention term ``out`` plus the layer's DWC(V) (+ LePE) on the query
@@ -111,6 +99,19 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
         torch_conv_add(out[..., :C], v, hw_shape, *kernel)
         return out
     return depthwise_conv_add(out, v, hw_shape, *kernel)
+
+
+def stacked_linear(x: Tensor, *linears: nn.Linear) -> Tensor:
+    """x (B, L, C') through ``linears`` as one product, their outputs side by
+    side, as a (B * L, W) tensor of its own (of 3-D x, F.linear's would be a
+    view of one: :func:`~flatten_mm.models.resize.add_resized_to_block_`
+    writes into it). Their weights (and biases) stacked, then cast once under
+    autocast."""
+    def stacked(name: str) -> Optional[Tensor]:
+        ts = [getattr(m, name) for m in linears]
+        t = None if ts[0] is None else torch.cat(ts) if len(ts) > 1 else ts[0]
+        return None if t is None else autocast_input(t)
+    return F.linear(autocast_input(x).reshape(-1, x.shape[-1]), stacked('weight'), stacked('bias'))
 
 
 def refuse_torchscript(module: nn.Module):
@@ -203,34 +204,36 @@ class FocusedLinearAttention(nn.Module):
         """The positional encoding resized to a key grid, (1, h*w, C)."""
         return resize_tokens(self.positional_encoding, self.pos_grid, grid)
 
-    def add_positional_encoding_(self, k: Tensor, grid: HWShape) -> Tensor:
-        """k (B, h*w, C) plus the positional encoding resized to ``grid``, in place
-        where no gradient is recorded (:func:`add_resized`)."""
+    def add_positional_encoding_(self, x: Tensor, grid: HWShape, c0: int, images: int) -> Tensor:
+        """x (B, P + h*w, W) as a (B * (P + h*w), W) tensor, a product holding k
+        in columns c0 to c0 + C, with the positional encoding resized to
+        ``grid`` added to k's grid rows (the last h*w; prefix keys get none), in
+        place (:func:`~flatten_mm.models.resize.add_resized_to_block_`)."""
         parts = cached_resize_parts(self, 'pe', self.positional_encoding, self.pos_grid, grid)
-        return add_resized(k, parts, inplace=True)
+        return add_resized_to_block_(x, parts, grid, c0, images)
 
     def project_qkv(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, Tensor, Tensor, HWShape]:
         """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid.
 
-        k and v are two products rather than slices of one, so each is a
-        fresh contiguous tensor: the positional encoding is added in place in
-        inference, and slicing's backward (a zero-filled buffer per slice) is
-        avoided.
-        Under autocast x is cast once for all of them.
+        One product per input, as the softmax blocks' ``qkv``: with keys on the
+        query grid (``sr_ratio=1``) q, k and v are column blocks of one product
+        of x by the ``q`` and ``kv`` weights stacked; with reduced keys q is one
+        product and k, v another, of the reduced tokens. Split (not sliced), so
+        the backward writes each product's gradient once, and takes one product
+        for the input's and one for the weights' gradients (three each, and two
+        sums of x's, before). Under autocast the inputs and the weights are cast
+        once each (autocast would cast a slice of a weight, and its gradient, apart).
         """
-        x = autocast_input(x)
-        q = self.q(x)
+        B, C = x.shape[0], self.embed_dims
         if self.sr_ratio > 1:
+            q = self.q(autocast_input(x))
             x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
-            x = autocast_input(x)  # the norm's output: fp32 under autocast
+            k, v = self.add_positional_encoding_(stacked_linear(x, self.kv), grid, 0, B).view(
+                B, -1, 2 * C).split(C, -1)
         else:
             grid = tuple(hw_shape)
-        C = self.embed_dims
-        # cast once under autocast, then sliced (autocast casts each slice and its gradient)
-        w, b = (None if t is None else autocast_input(t) for t in (self.kv.weight, self.kv.bias))
-        k = F.linear(x, w[:C], None if b is None else b[:C])
-        v = F.linear(x, w[C:], None if b is None else b[C:])
-        k = encode_grid_keys(self, k, grid)
+            qkv = self.add_positional_encoding_(stacked_linear(x, self.q, self.kv), grid, C, B)
+            q, k, v = qkv.view(B, -1, 3 * C).split(C, -1)
         return q, k, v, grid
 
     def conv_on_grid(self, x: Tensor, grid: HWShape, conv, size: Optional[HWShape] = None

@@ -111,6 +111,52 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
     return out.view(x.shape)
 
 
+class AddToBlock(torch.autograd.Function):
+    """``x[:, -n:, c0:c0 + c] += addend`` for x (B, L, W) given as a (B * L, W)
+    tensor and an addend (1, n, c), in place also where autograd records: x's
+    gradient passes through unchanged, the addend's is that block of it
+    summed over the images. (An in-place add on a view would make autograd
+    clone x's whole gradient in backward: x must be no view, and no tensor a
+    recorded op saved, as its values change.)"""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, addend: Tensor, c0: int, images: int) -> Tensor:
+        ctx.mark_dirty(x)
+        L = x.shape[0] // images
+        ctx.block = (images, L, L - addend.shape[1], c0, c0 + addend.shape[2])
+        x.view(images, L, -1)[:, ctx.block[2]:, c0:ctx.block[4]].add_(addend)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tuple[Tensor, Optional[Tensor], None, None]:
+        B, L, r0, c0, c1 = ctx.block
+        addend = None
+        if ctx.needs_input_grad[1]:
+            addend = grad.reshape(B, L, -1)[:, r0:, c0:c1].sum(0, keepdim=True)
+        return grad, addend, None, None
+
+
+def add_resized_to_block_(x: Tensor, parts: Tuple[Optional[Tensor], Tensor], grid: HWShape,
+                          c0: int, images: int) -> Tensor:
+    """x (B, L, W), given as a (B * L, W) tensor of its own (no view), with
+    the tokens ``R @ G`` (``parts = resize_parts(...)`` of a (1, h*w, c)
+    parameter to ``grid`` (H, W); H*W <= L) added in place to its last H*W
+    rows, columns c0 to c0 + c (the layer's k within its q, k, v product): no
+    new tensor, in training too (:class:`AddToBlock`). The resized tokens are
+    made once for all images, in x's dtype (G has one)."""
+    rows, cols = parts
+    with autocast_off(x.device.type):
+        cols = cols.to(x.dtype)
+        resized = cols if rows is None else torch.matmul(rows.to(x.dtype), cols)
+    resized = resized.view(1, grid[0] * grid[1], -1)
+    if torch.is_grad_enabled() and (x.requires_grad or resized.requires_grad) and \
+            not torch.jit.is_tracing():  # (a traced graph takes no custom Function)
+        return AddToBlock.apply(x, resized, c0, images)
+    L = x.shape[0] // images
+    x.view(images, L, -1)[:, L - resized.shape[1]:, c0:c0 + resized.shape[2]] += resized
+    return x
+
+
 def cached_resize_parts(module: nn.Module, key: tuple, tokens: Tensor, src: HWShape,
                         dst: HWShape) -> Tuple[Optional[Tensor], Tensor]:
     """:func:`resize_parts` of a parameter ``tokens`` (a positional encoding or

@@ -297,6 +297,42 @@ def test_add_resized_writes_into_x_only_where_no_gradient_is_recorded(dst):
         torch.testing.assert_close(k, want)
 
 
+@pytest.mark.parametrize('dst', [(6, 5), (4, 5)])  # rows resized or not
+@pytest.mark.parametrize('prefix', [0, 1])
+def test_add_resized_to_block_writes_in_place_in_training(dst, prefix):
+    """k's positional encoding goes into k's columns of the q, k, v product in
+    place, in training too: values and gradients as the out-of-place sum of
+    the block, no other column or prefix row touched, and no copy of the
+    product's gradient in backward (an in-place add on a view would clone it)."""
+    from flatten_mm.models.resize import add_resized_to_block_, resize_parts
+    B, n, C = 2, prefix + dst[0] * dst[1], 8
+    pos = torch.randn(1, 4 * 7, C, requires_grad=True)
+    leaf = torch.randn(B * n, 3 * C, requires_grad=True)
+    x = leaf * 1
+    ptr = x.data_ptr()
+    got = add_resized_to_block_(x, resize_parts(pos, (4, 7), dst), dst, C, B).view(B, n, 3 * C)
+    assert got.data_ptr() == ptr
+    want = (leaf * 1).view(B, n, 3 * C)
+    want = torch.cat([want[..., :C], torch.cat([want[:, :prefix, C:2 * C], want[:, prefix:, C:2 * C]
+                      + resize_tokens(pos, (4, 7), dst)], 1), want[..., 2 * C:]], -1)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn_like(got)
+    ops = []
+
+    class Record(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with Record():
+        got.backward(grad)
+    assert not {'clone', 'copy_', 'new_zeros'} & set(ops), ops
+    got_grads = (leaf.grad.clone(), pos.grad.clone())
+    leaf.grad = pos.grad = None
+    want.backward(grad)
+    torch.testing.assert_close(got_grads[0], leaf.grad)
+    torch.testing.assert_close(got_grads[1], pos.grad)
+
+
 def test_resize_runs_on_the_meta_device():
     """Shapes without data (meta tensors), where torch.autocast cannot even be
     turned off: the resize and the sum keep working."""
@@ -327,10 +363,14 @@ def test_layer_compiles_whole_where_dynamo_cannot_trace_the_autocast_query(monke
 
 
 @pytest.mark.parametrize('sr_ratio,qkv_bias', [(1, True), (2, True), (1, False)])
-def test_autocast_casts_the_kv_weight_once(sr_ratio, qkv_bias):
-    """k and v are two products of slices of the kv projection; under autocast
-    its weight and bias are cast once each before slicing (autocast would cast
-    each slice apart), and their gradients cast back once each."""
+def test_projections_are_one_product_per_input(sr_ratio, qkv_bias):
+    """q, k and v are one product of x by the q and kv weights stacked (with
+    reduced keys: q one product of x, k and v one of the reduced tokens),
+    split: the backward takes one product for each input's gradient and one
+    for the weights' (before: three each, two sums of x's gradient and a
+    zero-filled buffer per weight slice). Under autocast each weight (and
+    bias) is cast once, its gradient cast back once: autocast would cast a
+    slice of a weight, and its gradient, apart. Values as the two modules."""
     layer = FocusedLinearAttention(32, 2, sr_ratio=sr_ratio, qkv_bias=qkv_bias, pos_grid=(6, 8))
     x = torch.randn(2, 48, 32, requires_grad=True)
     outs = []
@@ -338,10 +378,36 @@ def test_autocast_casts_the_kv_weight_once(sr_ratio, qkv_bias):
     def forward():
         with torch.autocast('cpu', dtype=torch.bfloat16):
             outs.append(layer(x, (6, 8)))
+    # the weights as the products take them: transposed, (C_in, C_out)
+    widths = sorted([tuple(a[2].shape) for a in calls_of(torch.ops.aten.addmm, forward)] +
+                    [tuple(a[1].shape) for a in calls_of(torch.ops.aten.mm, forward)])
+    assert widths == ([(32, 32), (32, 96)] if sr_ratio == 1 else  # proj's (32, 32)
+                      [(32, 32), (32, 32), (32, 64)]), widths
+    outs.clear()
     forward_casts = [tuple(a[0].shape) for a in calls_of(torch.ops.aten._to_copy, forward)]
-    backward_casts = [tuple(a[0].shape) for a in calls_of(
-        torch.ops.aten._to_copy, lambda: outs[0].float().square().sum().backward())]
-    for shape in ((64, 32), (64, )) if qkv_bias else ((64, 32), ):  # kv's 2C outputs
+    grad_out = torch.randn_like(outs[0], dtype=torch.float32)
+    backward = calls_of(torch.ops.aten._to_copy, lambda: outs[0].float().backward(grad_out))
+    backward_casts = [tuple(a[0].shape) for a in backward]
+    stacked = (96, ) if sr_ratio == 1 else (64, )  # kv's 2C outputs, with q's C
+    for shape in ((*stacked, 32), stacked) if qkv_bias else ((*stacked, 32), ):
         assert forward_casts.count(shape) == 1, (shape, forward_casts)
         assert backward_casts.count(shape) == 1, (shape, backward_casts)
+    # proj's weight, and with reduced keys q's
+    assert forward_casts.count((32, 32)) == 1 + (sr_ratio > 1), forward_casts
+    outs.clear()
+    mm_backward = calls_of(torch.ops.aten.mm, lambda: (forward(), outs[-1].float().backward(
+        grad_out)))
+    # proj, and each product's input and weight gradients (the forward's mm too)
+    assert len(mm_backward) == 2 + 2 + 2 * (sr_ratio > 1) + (not qkv_bias) * (len(widths) - 1)
     assert layer.kv.weight.grad.dtype == torch.float32 and layer.kv.weight.grad.abs().sum() > 0
+    assert layer.q.weight.grad.abs().sum() > 0
+    # the values: the layer's two projections applied one by one
+    with torch.no_grad():
+        q, k, v, grid = layer.project_qkv(x, (6, 8))
+        xk = x if sr_ratio == 1 else layer.norm(layer.sr(x.transpose(1, 2).reshape(
+            2, 32, 6, 8)).flatten(2).transpose(1, 2))
+        torch.testing.assert_close(q, layer.q(x))
+        k_want, v_want = layer.kv(xk).chunk(2, -1)
+        torch.testing.assert_close(v, v_want)
+        torch.testing.assert_close(k, k_want + resize_tokens(layer.positional_encoding,
+                                                             (6, 8), grid))

@@ -84,9 +84,10 @@ def test_a_case_counts_as_trace_cuda_counts_it():
     half = sum(f for _, f, h in step.matmuls if h)
     assert half > 0.9 * sum(f for _, f, _ in step.matmuls)
     fwd = tm.count_case('flatten-pvt-t', 'fwd', 'bf16', 1, [64, 96])
-    # the training forward's matmuls, but the positional encodings' resize (cached in eval)
+    # the training forward's matmuls, less the positional encodings' column resize
+    # (cached in eval; small)
     flops = sum(f for _, f, _ in fwd.matmuls)
-    assert 0.97 * row['forward']['flops'] < flops < row['forward']['flops']
+    assert 0.97 * row['forward']['flops'] < flops <= row['forward']['flops']
     assert fwd.ops < row['forward']['ops']
 
 

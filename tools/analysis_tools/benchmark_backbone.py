@@ -31,7 +31,7 @@ Models: ``flatten-pvt-{t,s,m}``, ``flatten-pvtv2-b{0,1,2}``, ``flatten-swin-{t,s
 ``pvtv2-b{0,1,2}``, ``swin-{t,s}`` (mmdet's backbones) and ``cswin-{t,s}``
 (``FLattenCSwin`` with ``attn_type='SSSS'``: CSWin's stripes in every stage), ``NAME@reference`` for a flatten model
 whose linear attention runs the plain reference code (official op order),
-``NAME@identity`` for a flatten model whose attention term is its query (out = q;
+``NAME@identity`` for a flatten model whose attention term is a copy of its query (out = q;
 the DWC term, projections and everything else kept): the step with a free
 attention core, the bound no faster core can beat, and
 ``NAME@torch`` for a flatten model whose attention layers run the core and
@@ -265,8 +265,9 @@ def with_attention_variant(model, variant: str):
             continue
         if variant in forwards:
             m.forward = types.MethodType(forwards[variant], m)
-        elif variant == 'identity':  # out = q: no focusing map, no state, no sums
-            m.attend = lambda q, k, v, key_mask, overwrite_qk=False, grids=None: q
+        elif variant == 'identity':  # out = q: no focusing map, no state, no sums; a
+            # new tensor, as any core writes (q is a view of the layer's q, k, v product)
+            m.attend = lambda q, k, v, key_mask, overwrite_qk=False, grids=None: q.clone()
     return model
 
 
