@@ -216,13 +216,11 @@ class FocusedLinearAttention(nn.Module):
         """q (B, N, C), k and v (B, n, C) before the focused mapping, and the key grid.
 
         One product per input, as the softmax blocks' ``qkv``: with keys on the
-        query grid (``sr_ratio=1``) q, k and v are column blocks of one product
-        of x by the ``q`` and ``kv`` weights stacked; with reduced keys q is one
-        product and k, v another, of the reduced tokens. Split (not sliced), so
-        the backward writes each product's gradient once, and takes one product
-        for the input's and one for the weights' gradients (three each, and two
-        sums of x's, before). Under autocast the inputs and the weights are cast
-        once each (autocast would cast a slice of a weight, and its gradient, apart).
+        query grid (``sr_ratio=1``) of x by the ``q`` and ``kv`` weights stacked;
+        with reduced keys q of x, k and v of the reduced tokens. Split (not
+        sliced): the backward writes each product's gradient once and takes one
+        product for the input's gradient and one for the weights'. Under autocast
+        inputs and weights are cast once each (autocast casts a weight's slices apart).
         """
         B, C = x.shape[0], self.embed_dims
         if self.sr_ratio > 1:
