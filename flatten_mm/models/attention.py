@@ -217,14 +217,14 @@ class FocusedLinearAttention(nn.Module):
 
         One product per input, as the softmax blocks' ``qkv``: with keys on the
         query grid (``sr_ratio=1``) of x by the ``q`` and ``kv`` weights stacked;
-        with reduced keys q of x, k and v of the reduced tokens. Split (not
-        sliced): the backward writes each product's gradient once and takes one
-        product for the input's gradient and one for the weights'. Under autocast
-        inputs and weights are cast once each (autocast casts a weight's slices apart).
+        with reduced keys q of x, k and v of the reduced tokens. q, k, v are column
+        views of it (split: the backward writes its gradient once), k with its
+        positional encoding added in place. Under autocast inputs and weights are
+        cast once each (autocast casts a weight's slices apart).
         """
-        B, C = x.shape[0], self.embed_dims
+        B, C, x = x.shape[0], self.embed_dims, autocast_input(x)  # once for q and the reduction
         if self.sr_ratio > 1:
-            q = self.q(autocast_input(x))
+            q = self.q(x)
             x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
             k, v = self.add_positional_encoding_(stacked_linear(x, self.kv), grid, 0, B).view(
                 B, -1, 2 * C).split(C, -1)

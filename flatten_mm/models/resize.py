@@ -89,8 +89,8 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
     x instead of three; two where x is promoted). Out of place, the sum has
     the dtype of ``x + resized``, autocast or not: a half x plus an fp32 embedding is fp32
     (the residual stream stays fp32 under autocast, as in the official
-    models), and autocast does not make the fused ``baddbmm`` half. In place
-    (a half k plus its positional encoding), it keeps x's dtype, and writes
+    models), and autocast does not make the fused ``baddbmm`` half. In place,
+    it keeps x's dtype, and writes
     into x only where autograd records nothing: an in-place op on a view
     makes autograd's backward clone the whole gradient and copy it back."""
     rows, cols = parts
@@ -120,12 +120,17 @@ class AddToBlock(torch.autograd.Function):
     recorded op saved, as its values change.)"""
 
     @staticmethod
-    def forward(ctx, x: Tensor, addend: Tensor, c0: int, images: int) -> Tensor:
+    def forward(x: Tensor, addend: Tensor, c0: int, images: int) -> Tensor:
+        L = x.shape[0] // images
+        x.view(images, L, -1)[:, L - addend.shape[1]:, c0:c0 + addend.shape[2]].add_(addend)
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # (as torch.func needs)
+        x, addend, c0, images = inputs
         ctx.mark_dirty(x)
         L = x.shape[0] // images
         ctx.block = (images, L, L - addend.shape[1], c0, c0 + addend.shape[2])
-        x.view(images, L, -1)[:, ctx.block[2]:, c0:ctx.block[4]].add_(addend)
-        return x
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tuple[Tensor, Optional[Tensor], None, None]:
