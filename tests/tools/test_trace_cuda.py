@@ -243,8 +243,8 @@ def test_compiled_step_counts_inductors_kernels_for_a_gpu():
     launched, ops = tool.graph_launches(forward['module'])  # the attention and the conv
     assert ops == 2
     assert {op: n for op, n in launched.calls.items() if op.startswith('triton::')} == {
-        'triton::row_stats': 2, 'triton::kv_state': 1, 'triton::output': 1,
-        'triton::conv_add': 1}
+        'triton::row_stats': 2, 'triton::kv_state': 1, 'triton::state_sum': 1,
+        'triton::output': 1, 'triton::conv_add': 1}
     launched, ops = tool.graph_launches(backward['module'])
     assert ops == 2 and launched.calls['triton::key_grad'] == 1
     assert launched.calls['triton::conv_weight_grad'] == 1

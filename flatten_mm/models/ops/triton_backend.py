@@ -25,8 +25,9 @@ mapping on load, so no mapped copy of q or k is ever written:
    zeroed) times v summed over the chunk's blocks with ``tl.dot`` (tensor cores,
    fp32 accumulators), plus sum phi(k). Stage 1 has tens
    of thousands of keys per image and a few heads, so the key axis is split into
-   chunks that fill the GPU; their d x d partials are added by one torch sum
-   (deterministic, unlike atomics) and divided by the real key count.
+   chunks that fill the GPU; their d x d partials are added in order by one
+   small kernel (deterministic, unlike atomics), which divides by the real key
+   count (1 / n a scalar without a mask; with one, counted there).
 3. *Output* (program per image, head and block of queries): u of the queries,
    u KV by ``tl.dot``, the normaliser c / (c u . km + eps) and the product, fused;
    only out is written.
@@ -36,11 +37,13 @@ Backward has the torch backend's closed form (derivation in autograd.py and in
 so each side has a pass computing per-(row, head) shares of it (stored as
 (B, L, h) fp32, small) before a pass that completes the rows:
 
-1. queries: partial gradients of KV and km per chunk, c's shares;
+1. queries: partial gradients of KV and km per chunk (summed as the forward's
+   partials), c's shares;
 2. queries: dq and the partial gradient of s_inv (u's gradient recomputed:
    one d x d product, cheaper than a (B, N, C) fp32 buffer);
 3. keys: dv and c's shares;
-4. keys: dk and the partial gradient of s_inv.
+4. keys: dk and the partial gradient of s_inv (both sides' partials, chunk-major
+   in one buffer, added by one torch sum).
 
 With one head a row's c has one share, its own: passes 3 and 4 are one pass,
 and on sm_90 to sm_110 so are 1 and 2 (q, g, k and v read once each; on GPUs

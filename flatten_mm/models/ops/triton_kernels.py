@@ -196,6 +196,33 @@ def _output_kernel(q_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, out_ptr, N, h, D
 
 
 @triton.jit
+def _state_sum_kernel(part_ptr, vec_part_ptr, mask_ptr, out_ptr, vec_ptr, chunks, n, h, D,
+                      stride_mb, inv_n, HAS_MASK: tl.constexpr, BD: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """The (D, D) state and (D,) vector of one (image, head): its chunks' partials
+    added in order (deterministic, unlike atomics), times 1 / the image's real
+    key count (``inv_n`` without a mask; 1 for a gradient's partials). One
+    launch for what were two sums, two scalings and the count's own ops."""
+    bh = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    state = tl.zeros([BD, BD], dtype=tl.float32)
+    vec = tl.zeros([BD], dtype=tl.float32)
+    for c in range(chunks):
+        state += _load_state(part_ptr, bh * chunks + c, cols, D)
+        vec += tl.load(vec_part_ptr + (bh * chunks + c) * D + cols, mask=cmask, other=0.0)
+    inv = inv_n
+    if HAS_MASK:  # 1 / max(count, 1): an image without keys has zero sums anyway
+        count = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, n, BLOCK_M):
+            tok = start + tl.arange(0, BLOCK_M)
+            keep = tl.load(mask_ptr + (bh // h) * stride_mb + tok, mask=tok < n, other=0)
+            count += (keep != 0).to(tl.float32)
+        inv = 1.0 / tl.maximum(tl.sum(count, axis=0), 1.0)
+    _store_state(out_ptr, vec_ptr, bh, cols, cmask, D, state * inv, vec * inv)
+
+
+@triton.jit
 def _map_backward(x, a, u, c, t, grad_u, grad_c, s_inv, p):
     """Gradients for x and (per element, to be summed over rows) s_inv, given those for
     u at fixed c (grad_u, a block) and for c (grad_c, per row).
@@ -316,7 +343,8 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
         _store_rows(dq_ptr, grad_x, b, tok, col0, cols, N, D, stride_db, stride_dn)
         ds += tl.sum(grad_s, axis=0)
     slot = bh * tl.num_programs(1) + chunk
-    tl.store(ds_ptr + slot * D + cols, ds, mask=cmask)
+    # chunk-major, as the key pass's: one sum over both (launcher)
+    tl.store(ds_ptr + (chunk * tl.num_programs(0) + bh) * D + cols, ds, mask=cmask)
     if WHOLE_ROWS:
         _store_state(dkv_ptr, dkm_ptr, slot, cols, cmask, D, dkv, dkm)
 
@@ -353,7 +381,7 @@ def _value_grad(u, c, share, bm, dkv_op, DOT_DTYPE: tl.constexpr, PREC: tl.const
 
 @triton.jit
 def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_ptr,
-                           inv_count_ptr, gc_ptr, dv_ptr, n, h, D, stride_kb, stride_kn,
+                           inv_count_ptr, inv_n, gc_ptr, dv_ptr, n, h, D, stride_kb, stride_kn,
                            stride_vb, stride_vn, stride_mb, stride_db, stride_dn, p,
                            HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr,
                            DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
@@ -363,7 +391,9 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
     tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
     dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
-    inv_count = tl.load(inv_count_ptr + b)
+    inv_count = inv_n  # 1 / n; with a mask the image's own count's
+    if HAS_MASK:
+        inv_count = tl.load(inv_count_ptr + b)
     _, _, u, c, _, share, bm = _key_terms(
         k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv, dkv_op, dkm, inv_count, b, tok, col0,
         cols, n,
@@ -376,8 +406,8 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
 
 @triton.jit
 def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_ptr, inv_count_ptr,
-                     gc_ptr, dk_ptr, ds_ptr, dv_ptr, n, h, D, stride_kb, stride_kn, stride_vb,
-                     stride_vn, stride_mb, stride_db, stride_dn, stride_eb, stride_en, p,
+                     inv_n, gc_ptr, dk_ptr, ds_ptr, dv_ptr, n, h, D, stride_kb, stride_kn,
+                     stride_vb, stride_vn, stride_mb, stride_db, stride_dn, stride_eb, stride_en, p,
                      blocks_per_prog, HAS_MASK: tl.constexpr, WHOLE_ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
@@ -389,7 +419,9 @@ def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_
     chunk = tl.program_id(1)
     dkv_op = _load_state(dkv_ptr, bh, cols, D).to(DOT_DTYPE)
     dkm = tl.load(dkm_ptr + bh * D + cols, mask=cmask, other=0.0)
-    inv_count = tl.load(inv_count_ptr + b)
+    inv_count = inv_n  # 1 / n; with a mask the image's own count's
+    if HAS_MASK:
+        inv_count = tl.load(inv_count_ptr + b)
     ds = tl.zeros([BD], dtype=tl.float32)
     for i in range(blocks_per_prog):
         tok = (chunk * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -406,7 +438,7 @@ def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_
         grad_x, grad_s = _map_backward(x, a, u, c, t, (c * share)[:, None] * bm, grad_c, s_inv, p)
         _store_rows(dk_ptr, grad_x, b, tok, col0, cols, n, D, stride_db, stride_dn)
         ds += tl.sum(grad_s, axis=0)
-    tl.store(ds_ptr + (bh * tl.num_programs(1) + chunk) * D + cols, ds, mask=cmask)
+    tl.store(ds_ptr + (chunk * tl.num_programs(0) + bh) * D + cols, ds, mask=cmask)
 
 
 # ---------------------------------------------------------------- launchers
@@ -581,6 +613,22 @@ def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.devi
     return 1.0 / key_mask.sum(1, dtype=torch.float32).clamp_min(1)  # no key: 0, no 0/0
 
 
+def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int],
+                  key_mask: Optional[Tensor] = None, n: int = 1) -> Tuple[Tensor, Tensor]:
+    """(B, h, d, d) states and (B, h, d) vectors from their chunks' partials
+    ((B * h, chunks, d, d), (B * h, chunks, d)), divided by each image's real
+    key count (``n`` keys without ``key_mask``; n = 1: a plain sum)."""
+    B, h, d = shape
+    state = torch.empty((B, h, d, d), dtype=torch.float32, device=part.device)
+    vec = torch.empty((B, h, d), dtype=torch.float32, device=part.device)
+    mask, stride_m, has_mask = _mask_args(key_mask, vec_part)
+    _state_sum_kernel[(B * h, )](
+        part, vec_part, mask, state, vec, part.shape[1], n, h, d, stride_m, 1.0 / n,
+        HAS_MASK=has_mask, BD=max(16, triton.next_power_of_2(d)), BLOCK_M=1024,
+        num_warps=NUM_WARPS, **COMPILE_OPTIONS)
+    return state, vec
+
+
 def _launch_opts(pl: Plan) -> dict:
     """The compile-time arguments every token kernel takes from its plan."""
     return dict(BLOCK_N=pl.block_n, BD=pl.bd, DOT_DTYPE=pl.dot_dtype, PREC=pl.precision,
@@ -605,10 +653,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
         k, v, mask, stats_k, s_inv, kv_part, km_part, n, h, d, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), stride_m, p, kp.blocks_per_prog, HAS_MASK=has_mask,
         WHOLE_ROWS=whole, **_launch_opts(kp))
-    inv = inverse_count(key_mask, B, n, q.device)
-    # partials of the chunks added here: deterministic, unlike atomics
-    kv = kv_part.sum(1).view(B, h, d, d).mul_(inv.view(B, 1, 1, 1))
-    km = km_part.sum(1).view(B, h, d).mul_(inv.view(B, 1, 1))
+    kv, km = summed_states(kv_part, km_part, (B, h, d), key_mask, n)
     qp = plan(N, B * h, d, v.dtype, sm_count(q.device))
     out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
     _output_kernel[(B * h, triton.cdiv(N, qp.block_n))](
@@ -629,14 +674,15 @@ def fuses_query_passes(cap: Tuple[int, int]) -> bool:
 
 
 def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
-                    stats_q: Tensor, p: float, h: int, dtype: torch.dtype) -> Tuple[Tensor, ...]:
-    """dq, the per-channel gradient of s_inv through q, and the gradients of KV and km.
-    One head, where :func:`fuses_query_passes`: one pass (the dq pass makes the
-    partials too); else two."""
+                    stats_q: Tensor, p: float, h: int, qp: Plan, ds: Tensor
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq, and the gradients of KV and km; the chunks' partial gradients of s_inv
+    through q into ``ds`` (qp.chunks, B * h, d). One head, where
+    :func:`fuses_query_passes`: one pass (the dq pass makes the partials too);
+    else two."""
     B, N, C = q.shape
     d, fused = C // h, h == 1 and fuses_query_passes(capability(q.device))
     f32 = dict(dtype=torch.float32, device=q.device)
-    qp = plan(N, B * h, d, dtype, sm_count(q.device), backward=True)
     dkv_part = torch.empty((B * h, qp.chunks, d, d), **f32)
     dkm_part = torch.empty((B * h, qp.chunks, d), **f32)
     grid = (B * h, qp.chunks)
@@ -647,48 +693,55 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
             q, g, stats_q, s_inv, kv, km, gc, dkv_part, dkm_part, N, h, d, q.stride(0),
             q.stride(1), g.stride(0), g.stride(1), p, qp.blocks_per_prog, **_launch_opts(qp))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ds = torch.empty((B * h, qp.chunks, d), **f32)
     _query_grad_kernel[grid](
         q, g, stats_q, s_inv, kv, km, gc, dq, ds, dkv_part, dkm_part, N, h, d, q.stride(0),
         q.stride(1), g.stride(0), g.stride(1), dq.stride(0), dq.stride(1), p,
         qp.blocks_per_prog, WHOLE_ROWS=fused, BH=triton.next_power_of_2(h), **_launch_opts(qp))
-    ds = ds.view(B, h, qp.chunks, d).sum((0, 2)).reshape(C)
-    return dq, ds, dkv_part.sum(1), dkm_part.sum(1)
+    return (dq, *summed_states(dkv_part, dkm_part, (B, h, d)))
 
 
 def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor, stats_k: Tensor,
-                  p: float, h: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
-    """dk, dv and the per-channel gradient of s_inv through k, from those of KV and km.
-    One head: one pass (the dk pass writes dv too); else two."""
+                  p: float, h: int, key_mask: Optional[Tensor], kp: Plan, ds: Tensor
+                  ) -> Tuple[Tensor, Tensor]:
+    """dk and dv from the gradients of KV and km; the chunks' partial gradients of
+    s_inv through k into ``ds`` (kp.chunks, B * h, d). One head: one pass (the
+    dk pass writes dv too); else two. Without a key mask each key's share is
+    the scalar 1 / n (no count tensor)."""
     B, n, C = k.shape
     d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=k.device)
-    kp = plan(n, B * h, d, v.dtype, sm_count(k.device), backward=True)
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
-    inv = inverse_count(key_mask, B, n, k.device)
+    inv = stats_k if key_mask is None else inverse_count(key_mask, B, n, k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     gc = inv  # read only with several heads
     if not whole:
         gc = torch.empty((B, n, h), **f32)
         _key_value_grad_kernel[(B * h, triton.cdiv(n, kp.block_n))](
-            k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dv, n, h, d, k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), stride_m, dv.stride(0), dv.stride(1), p,
+            k, v, mask, stats_k, s_inv, dkv, dkm, inv, 1.0 / n, gc, dv, n, h, d, k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), stride_m, dv.stride(0), dv.stride(1), p,
             HAS_MASK=has_mask, **_launch_opts(kp))
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    ds = torch.empty((B * h, kp.chunks, d), **f32)
     _key_grad_kernel[(B * h, kp.chunks)](
-        k, v, mask, stats_k, s_inv, dkv, dkm, inv, gc, dk, ds, dv, n, h, d, k.stride(0),
+        k, v, mask, stats_k, s_inv, dkv, dkm, inv, 1.0 / n, gc, dk, ds, dv, n, h, d, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), stride_m, dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), p, kp.blocks_per_prog, HAS_MASK=has_mask, WHOLE_ROWS=whole,
         BH=triton.next_power_of_2(h), **_launch_opts(kp))
-    return dk, dv, ds.view(B, h, kp.chunks, d).sum((0, 2)).reshape(C)
+    return dk, dv
 
 
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
              km: Tensor, stats_q: Tensor, stats_k: Tensor, p: float, num_heads: int,
              key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
-    """Gradients for q, k, v and s_inv (fp32, (C,)) given that of out."""
-    dq, ds_q, dkv, dkm = _query_backward(grad_out, q, s_inv, kv, km, stats_q, p, num_heads,
-                                         v.dtype)
-    dk, dv, ds_k = _key_backward(k, v, s_inv, dkv, dkm, stats_k, p, num_heads, key_mask)
-    return dq, dk, dv, ds_q + ds_k
+    """Gradients for q, k, v and s_inv (fp32, (C,)) given that of out. The query
+    and key passes write their chunks' partial gradients of s_inv into one
+    buffer, chunk-major, so that one sum gives s_inv's."""
+    B, N, C = q.shape
+    h, n = num_heads, k.shape[1]
+    d = C // h
+    qp = plan(N, B * h, d, v.dtype, sm_count(q.device), backward=True)
+    kp = plan(n, B * h, d, v.dtype, sm_count(k.device), backward=True)
+    ds = torch.empty((qp.chunks + kp.chunks, B * h, d), dtype=torch.float32, device=q.device)
+    dq, dkv, dkm = _query_backward(grad_out, q, s_inv, kv, km, stats_q, p, h, qp,
+                                   ds[:qp.chunks])
+    dk, dv = _key_backward(k, v, s_inv, dkv, dkm, stats_k, p, h, key_mask, kp, ds[qp.chunks:])
+    return dq, dk, dv, ds.view(-1, B, h, d).sum((0, 1)).reshape(C)
