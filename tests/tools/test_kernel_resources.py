@@ -66,7 +66,8 @@ def build(tmp_path, arch, *args):
         assert row['shared'] <= SHARED_PER_PROGRAM[arch], row
         # every kernel with a dot or a reduction stages through shared memory
         # (but the conv and the chunk sums: element-wise loads and adds)
-        assert row['shared'] > 0 or row['kernel'] in ('_conv_add_kernel', '_state_sum_kernel'), row
+        assert row['shared'] > 0 or row['kernel'] in ('_conv_add_kernel',
+                                                      '_state_sum_kernel'), row
         assert row['num_warps'] == 8, row
         # the looping kernels real sizes run, not the loop-free ones triton
         # builds for one block per program (an argument equal to 1 is a constant)
@@ -90,7 +91,7 @@ def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
     assert swin['_kv_state_kernel']['HAS_MASK'] == 'True'
     pvt = {r['kernel']: r['constexprs'] for r in by_case[('64x1', 'fp32')]}
     assert pvt['_output_kernel']['PREC'] == 'ieee'
-        assert row["shared"] > 0 or row["kernel"] in ("_conv_add_kernel", "_state_sum_kernel"), row
+    assert pvt['_query_grad_kernel']['WHOLE_ROWS'] == pvt['_key_grad_kernel']['WHOLE_ROWS'] == 'True'
     assert swin['_conv_add_kernel']['BLOCK_C'] == '32'  # C = 96: three blocks, none padded
     assert pvt['_conv_weight_grad_kernel']['TAPS'] == '32'  # 25 taps and the bias
 

@@ -218,7 +218,9 @@ def _state_sum_kernel(part_ptr, vec_part_ptr, mask_ptr, out_ptr, vec_ptr, chunks
             tok = start + tl.arange(0, BLOCK_M)
             keep = tl.load(mask_ptr + (bh // h) * stride_mb + tok, mask=tok < n, other=0)
             count += (keep != 0).to(tl.float32)
-        inv = 1.0 / tl.maximum(tl.sum(count, axis=0), 1.0)
+        # correctly rounded, as torch's 1 / count the key passes load (a GPU's
+        # 1.0 / x is approximate, to 2 ulp)
+        inv = tl.math.div_rn(1.0, tl.maximum(tl.sum(count, axis=0), 1.0))
     _store_state(out_ptr, vec_ptr, bh, cols, cmask, D, state * inv, vec * inv)
 
 
@@ -606,11 +608,10 @@ def _mask_args(key_mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, in
     return mask, mask.stride(0), True
 
 
-def inverse_count(key_mask: Optional[Tensor], B: int, n: int, device: torch.device) -> Tensor:
-    """(B,) fp32: 1 / the number of real keys of each image."""
-    if key_mask is None:
-        return torch.full((B, ), 1.0 / n, dtype=torch.float32, device=device)
-    return 1.0 / key_mask.sum(1, dtype=torch.float32).clamp_min(1)  # no key: 0, no 0/0
+def inverse_count(key_mask: Tensor) -> Tensor:
+    """(B,) fp32: 1 / the number of real keys of each image (1 for none: its
+    sums are 0, no 0 / 0)."""
+    return 1.0 / key_mask.sum(1, dtype=torch.float32).clamp_min(1)
 
 
 def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int],
@@ -711,7 +712,7 @@ def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor,
     d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=k.device)
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
-    inv = stats_k if key_mask is None else inverse_count(key_mask, B, n, k.device)
+    inv = stats_k if key_mask is None else inverse_count(key_mask)  # (a stand-in: unread)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     gc = inv  # read only with several heads
     if not whole:
