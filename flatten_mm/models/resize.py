@@ -131,13 +131,15 @@ class AddToBlock(torch.autograd.Function):
         ctx.mark_dirty(x)
         L = x.shape[0] // images
         ctx.block = (images, L, L - addend.shape[1], c0, c0 + addend.shape[2])
+        ctx.addend_dtype = addend.dtype
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tuple[Tensor, Optional[Tensor], None, None]:
         B, L, r0, c0, c1 = ctx.block
         addend = None
-        if ctx.needs_input_grad[1]:
-            addend = grad.reshape(B, L, -1)[:, r0:, c0:c1].sum(0, keepdim=True)
+        if ctx.needs_input_grad[1]:  # summed in the addend's dtype: no cast after
+            addend = grad.reshape(B, L, -1)[:, r0:, c0:c1].sum(0, keepdim=True,
+                                                              dtype=ctx.addend_dtype)
         return grad, addend, None, None
 
 
@@ -148,11 +150,12 @@ def add_resized_to_block_(x: Tensor, parts: Tuple[Optional[Tensor], Tensor], gri
     parameter to ``grid`` (H, W); H*W <= L) added in place to its last H*W
     rows, columns c0 to c0 + c (the layer's k within its q, k, v product): no
     new tensor, in training too (:class:`AddToBlock`). The resized tokens are
-    made once for all images, in x's dtype (G has one)."""
+    made once for all images (G has one), in G's dtype, or x's if wider: the
+    sum is rounded to a half x once, and no cast is made either way."""
     rows, cols = parts
     with autocast_off(x.device.type):
-        cols = cols.to(x.dtype)
-        resized = cols if rows is None else torch.matmul(rows.to(x.dtype), cols)
+        cols = cols.to(torch.promote_types(x.dtype, cols.dtype))
+        resized = cols if rows is None else torch.matmul(rows.to(cols.dtype), cols)
     resized = resized.view(1, grid[0] * grid[1], -1)
     if torch.is_grad_enabled() and (x.requires_grad or resized.requires_grad) and \
             not torch.jit.is_tracing():  # (a traced graph takes no custom Function)

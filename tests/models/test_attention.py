@@ -428,3 +428,19 @@ def test_torch_func_grad_through_the_positional_encoding_add():
     for name, w in zip(params, want):
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6)
     assert got['positional_encoding'].abs().sum() > 0
+
+
+def test_half_k_plus_its_encoding_is_rounded_once():
+    """A bf16 k plus its fp32 positional encoding: the encoding is resized in
+    fp32 and the sum rounded to bf16 once (no half copy of the resized
+    encoding, no cast each way), also in training; its gradient stays fp32."""
+    from flatten_mm.models.resize import add_resized_to_block_, resize_parts
+    pos = torch.randn(1, 4 * 7, 8, requires_grad=True)
+    x = torch.randn(2 * 30, 24).to(torch.bfloat16).requires_grad_()
+    want = x.detach().float().view(2, 30, 24)[..., 8:16] + resize_tokens(pos, (4, 7), (6, 5))
+    product = x * 1
+    got = add_resized_to_block_(product, resize_parts(pos, (4, 7), (6, 5)), (6, 5), 8, 2)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(2, 30, 24)[..., 8:16], want.detach().to(torch.bfloat16))
+    got.float().sum().backward()
+    assert pos.grad.dtype == torch.float32 and torch.isfinite(pos.grad).all()
