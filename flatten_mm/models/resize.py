@@ -111,6 +111,12 @@ def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
     return out.view(x.shape)
 
 
+def key_block(x: Tensor, images: int, n: int, c0: int, c: int) -> Tensor:
+    """The view ``x[:, -n:, c0:c0 + c]`` of x (B, L, W) given as (B * L, W)."""
+    L = x.shape[0] // images
+    return x.view(images, L, -1)[:, L - n:, c0:c0 + c]
+
+
 class AddToBlock(torch.autograd.Function):
     """``x[:, -n:, c0:c0 + c] += addend`` for x (B, L, W) given as a (B * L, W)
     tensor and an addend (1, n, c), in place also where autograd records: x's
@@ -121,25 +127,22 @@ class AddToBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, addend: Tensor, c0: int, images: int) -> Tensor:
-        L = x.shape[0] // images
-        x.view(images, L, -1)[:, L - addend.shape[1]:, c0:c0 + addend.shape[2]].add_(addend)
+        key_block(x, images, addend.shape[1], c0, addend.shape[2]).add_(addend)
         return x
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # (as torch.func needs)
         x, addend, c0, images = inputs
         ctx.mark_dirty(x)
-        L = x.shape[0] // images
-        ctx.block = (images, L, L - addend.shape[1], c0, c0 + addend.shape[2])
+        ctx.block = (images, addend.shape[1], c0, addend.shape[2])
         ctx.addend_dtype = addend.dtype
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tuple[Tensor, Optional[Tensor], None, None]:
-        B, L, r0, c0, c1 = ctx.block
         addend = None
         if ctx.needs_input_grad[1]:  # summed in the addend's dtype: no cast after
-            addend = grad.reshape(B, L, -1)[:, r0:, c0:c1].sum(0, keepdim=True,
-                                                              dtype=ctx.addend_dtype)
+            addend = key_block(grad.contiguous(), *ctx.block).sum(0, keepdim=True,
+                                                                  dtype=ctx.addend_dtype)
         return grad, addend, None, None
 
 
@@ -149,20 +152,20 @@ def add_resized_to_block_(x: Tensor, parts: Tuple[Optional[Tensor], Tensor], gri
     the tokens ``R @ G`` (``parts = resize_parts(...)`` of a (1, h*w, c)
     parameter to ``grid`` (H, W); H*W <= L) added in place to its last H*W
     rows, columns c0 to c0 + c (the layer's k within its q, k, v product): no
-    new tensor, in training too (:class:`AddToBlock`). The resized tokens are
-    made once for all images (G has one), in G's dtype, or x's if wider: the
-    sum is rounded to a half x once, and no cast is made either way."""
+    new tensor, in training too (:class:`AddToBlock`; where autograd records
+    nothing, or under ``torch.jit.trace``, which takes no custom Function, its
+    forward alone). The resized tokens are made once for all images (G has
+    one), in G's dtype, or x's if wider: the sum is rounded to a half x once,
+    and no cast is made either way."""
     rows, cols = parts
     with autocast_off(x.device.type):
         cols = cols.to(torch.promote_types(x.dtype, cols.dtype))
         resized = cols if rows is None else torch.matmul(rows.to(cols.dtype), cols)
     resized = resized.view(1, grid[0] * grid[1], -1)
     if torch.is_grad_enabled() and (x.requires_grad or resized.requires_grad) and \
-            not torch.jit.is_tracing():  # (a traced graph takes no custom Function)
+            not torch.jit.is_tracing():
         return AddToBlock.apply(x, resized, c0, images)
-    L = x.shape[0] // images
-    x.view(images, L, -1)[:, L - resized.shape[1]:, c0:c0 + resized.shape[2]] += resized
-    return x
+    return AddToBlock.forward(x, resized, c0, images)
 
 
 def cached_resize_parts(module: nn.Module, key: tuple, tokens: Tensor, src: HWShape,

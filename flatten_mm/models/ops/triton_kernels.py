@@ -614,18 +614,19 @@ def inverse_count(key_mask: Tensor) -> Tensor:
     return 1.0 / key_mask.sum(1, dtype=torch.float32).clamp_min(1)
 
 
-def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int],
+def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int], bd: int,
                   key_mask: Optional[Tensor] = None, n: int = 1) -> Tuple[Tensor, Tensor]:
     """(B, h, d, d) states and (B, h, d) vectors from their chunks' partials
     ((B * h, chunks, d, d), (B * h, chunks, d)), divided by each image's real
-    key count (``n`` keys without ``key_mask``; n = 1: a plain sum)."""
+    key count (``n`` keys without ``key_mask``; n = 1: a plain sum); ``bd``:
+    the padded head width of the partials' plan."""
     B, h, d = shape
     state = torch.empty((B, h, d, d), dtype=torch.float32, device=part.device)
     vec = torch.empty((B, h, d), dtype=torch.float32, device=part.device)
     mask, stride_m, has_mask = _mask_args(key_mask, vec_part)
     _state_sum_kernel[(B * h, )](
         part, vec_part, mask, state, vec, part.shape[1], n, h, d, stride_m, 1.0 / n,
-        HAS_MASK=has_mask, BD=max(16, triton.next_power_of_2(d)), BLOCK_M=1024,
+        HAS_MASK=has_mask, BD=bd, BLOCK_M=1024,
         num_warps=NUM_WARPS, **COMPILE_OPTIONS)
     return state, vec
 
@@ -654,7 +655,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
         k, v, mask, stats_k, s_inv, kv_part, km_part, n, h, d, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), stride_m, p, kp.blocks_per_prog, HAS_MASK=has_mask,
         WHOLE_ROWS=whole, **_launch_opts(kp))
-    kv, km = summed_states(kv_part, km_part, (B, h, d), key_mask, n)
+    kv, km = summed_states(kv_part, km_part, (B, h, d), kp.bd, key_mask, n)
     qp = plan(N, B * h, d, v.dtype, sm_count(q.device))
     out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
     _output_kernel[(B * h, triton.cdiv(N, qp.block_n))](
@@ -698,7 +699,7 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
         q, g, stats_q, s_inv, kv, km, gc, dq, ds, dkv_part, dkm_part, N, h, d, q.stride(0),
         q.stride(1), g.stride(0), g.stride(1), dq.stride(0), dq.stride(1), p,
         qp.blocks_per_prog, WHOLE_ROWS=fused, BH=triton.next_power_of_2(h), **_launch_opts(qp))
-    return (dq, *summed_states(dkv_part, dkm_part, (B, h, d)))
+    return (dq, *summed_states(dkv_part, dkm_part, (B, h, d), qp.bd))
 
 
 def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor, stats_k: Tensor,
