@@ -67,9 +67,9 @@ def focused_linear_attention_flops(inputs, outputs) -> Counter:
                           outputs[0].node().scalar_args()[1])
 
 
-def triton_attention_flops(inputs, outputs) -> Counter:
-    """mmengine FLOP handle for the ``flatten_mm::triton_attention`` op (the
-    triton backend, arguments q, k, v, s_inv, p, num_heads, key_mask): the
+def triton_focused_attention_flops(inputs, outputs) -> Counter:
+    """mmengine FLOP handle for the ``flatten_mm::triton_focused_attention`` op (the
+    triton backend, arguments q, k, v, scale, p, num_heads, key_mask): the
     same products, so a model counts the same on either backend."""
     return _focused_count(_shape(inputs[0]), _shape(inputs[1])[1],
                           int(inputs[5].toIValue()))
@@ -104,7 +104,7 @@ def sdpa_flops(inputs, outputs) -> Counter:
 FLOP_HANDLES: Dict[str, Callable] = {
     'aten::scaled_dot_product_attention': sdpa_flops,
     'prim::PythonOp.FocusedLinearAttentionFn': focused_linear_attention_flops,
-    'flatten_mm::triton_attention': triton_attention_flops,
+    'flatten_mm::triton_focused_attention': triton_focused_attention_flops,
     'prim::PythonOp.DepthwiseConvFn': depthwise_conv_flops,
     'flatten_mm::triton_conv_add': triton_conv_add_flops,
 }

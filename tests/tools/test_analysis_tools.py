@@ -334,7 +334,7 @@ def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():
     tool = load_tool('profile_backbone')
     events = [SimpleNamespace(key='aten::mm', self_cpu_time_total=50.0,
                               self_device_time_total=2000.0),
-              SimpleNamespace(key='flatten_mm::triton_attention', self_cpu_time_total=30.0,
+              SimpleNamespace(key='flatten_mm::triton_focused_attention', self_cpu_time_total=30.0,
                               self_device_time_total=1000.0),
               SimpleNamespace(key='aten::view', self_cpu_time_total=5.0,
                               self_device_time_total=0.0),
@@ -342,10 +342,10 @@ def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():
                               self_device_time_total=0.0)]
     prof = SimpleNamespace(key_averages=lambda: events)
     assert tool.leaf_self_times(prof, 'cuda') == {'aten::mm': 2.0,
-                                                  'flatten_mm::triton_attention': 1.0}
+                                                  'flatten_mm::triton_focused_attention': 1.0}
     assert tool.leaf_self_times(prof, 'cpu') == {
-        'aten::mm': 0.05, 'flatten_mm::triton_attention': 0.03, 'aten::view': 0.005}
-    assert tool.family_of('flatten_mm::triton_attention_backward') == 'attention'
+        'aten::mm': 0.05, 'flatten_mm::triton_focused_attention': 0.03, 'aten::view': 0.005}
+    assert tool.family_of('flatten_mm::triton_focused_attention_backward') == 'attention'
     assert tool.family_of('flatten_mm::triton_conv_add_backward') == 'conv'
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):  # named, before any subprocess starts

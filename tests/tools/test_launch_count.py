@@ -65,18 +65,19 @@ def count_layer(heads):
 def test_a_layers_kernels_counted_by_hand():
     """Two heads of 16 channels: q's and k's statistics passes, the state pass,
     the output pass (reading q, its statistics, 1/scale, KV and km, writing
-    out: bytes by hand), the fused DWC; backward's four passes and the conv's
+    out: bytes by hand), the fused DWC, and 1/scale made once from the raw scale; backward's four passes and the conv's
     two. With one head the token kernels make the statistics and fuse the
     passes: no statistics pass, two attention passes in backward (on sm_90)."""
     forward, backward = count_layer(2)
     assert not any(op.startswith('flatten_mm::') for op in {**forward.calls, **backward.calls})
     assert {op: n for op, n in forward.calls.items() if op.startswith('triton::')} == {
-        'triton::row_stats': 2, 'triton::kv_state': 1, 'triton::state_sum': 1,
-        'triton::output': 1, 'triton::conv_add': 1}
+        'triton::inverse_scale': 1, 'triton::row_stats': 2, 'triton::kv_state': 1,
+        'triton::state_sum': 1, 'triton::output': 1, 'triton::conv_add': 1}
     B, N, C, h, d, f32 = 2, 30, 32, 2, 16, 4
     assert forward.bytes['triton::output'] == f32 * (
         B * N * C + 3 * B * N + C + B * h * d * d + B * h * d + B * N * C)
     assert forward.bytes['triton::row_stats'] == 2 * f32 * (B * N * C + C + 3 * B * N)
+    assert forward.bytes['triton::inverse_scale'] == f32 * 2 * C  # scale read, 1/scale written
     # k, v, k's statistics (also the absent mask's stand-in: once), 1/scale, and
     # the partial states of one chunk (30 keys: one block)
     assert forward.bytes['triton::kv_state'] == f32 * (
@@ -87,7 +88,7 @@ def test_a_layers_kernels_counted_by_hand():
         'triton::conv_weight_grad': 1}
     # the chunks' partial states (and their gradients) summed and divided by the key
     # count in one kernel, 1 / n a scalar: no torch sum, count or scaling in the forward
-    # (its one sum the loss's), and none left to the backward but s_inv's one sum
+    # (its one sum the loss's), and none left to the backward but the scale's one sum
     assert forward.calls['aten::sum'] == 1 and 'aten::mul_' not in forward.calls
     assert 'aten::full' not in forward.calls and 'aten::full' not in backward.calls
     forward, backward = count_layer(1)

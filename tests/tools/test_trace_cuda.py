@@ -31,7 +31,7 @@ def test_every_family_traces_for_cuda_in_one_graph(tmp_path):
     for row in rows:
         attention, conv = BLOCKS[row['model']]
         assert row['status'] == 'ok', row
-        assert row['ops'].get('flatten_mm.triton_attention') == attention, row
+        assert row['ops'].get('flatten_mm.triton_focused_attention') == attention, row
         assert row['ops'].get('flatten_mm.triton_conv_add', 0) == conv, row
         # bf16 autocast really casts in the trace (without a GPU it turns itself off)
         assert row['attention_dtypes'] == [f'torch.{ {"fp32": "float32", "bf16": "bfloat16"}[row["dtype"]]}'], row
@@ -103,7 +103,10 @@ def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
     backward = steps['flatten-pvt-t']['backward']['op_calls']
     assert backward['triton::key_grad'] == backward['triton::conv_weight_grad'] == 8
     assert not any(op.startswith('flatten_mm::triton') for op in {**pvt, **backward})
-    assert 'aten::zeros' not in backward and pvt['aten::reciprocal'] == 8
+    assert 'aten::zeros' not in backward
+    # the kernels take the raw scale: no op makes 1 / softplus(scale) or its gradient
+    assert not {'aten::softplus', 'aten::reciprocal'} & set(pvt), pvt
+    assert not {'aten::softplus_backward', 'aten::neg'} & set(backward), backward
     for ours, theirs in pairs:
         calls = ops[ours]['op_calls']
         assert not {'aten::arange', 'aten::eq', 'aten::where', 'aten::lt'} & set(calls), ours
@@ -235,16 +238,16 @@ def test_compiled_step_counts_inductors_kernels_for_a_gpu():
     layer = tool.Autocast(tool.to_fake_cuda(Layer(), fake_mode), torch.bfloat16)
     forward, backward = tool.compile_step(layer, fake_mode, shape)
     labels = [label for label, _ in forward['kernels']]
-    assert labels.count('torch.ops.flatten_mm.triton_attention.default') == 1, labels
+    assert labels.count('torch.ops.flatten_mm.triton_focused_attention.default') == 1, labels
     assert [label for label, _ in backward['kernels']].count(
-        'torch.ops.flatten_mm.triton_attention_backward.default') == 1
+        'torch.ops.flatten_mm.triton_focused_attention_backward.default') == 1
     assert forward['bytes'] == sum(size for _, size in forward['kernels'])
     # the row counts each Triton op by its kernels' launches instead
     launched, ops = tool.graph_launches(forward['module'])  # the attention and the conv
     assert ops == 2
     assert {op: n for op, n in launched.calls.items() if op.startswith('triton::')} == {
-        'triton::row_stats': 2, 'triton::kv_state': 1, 'triton::state_sum': 1,
-        'triton::output': 1, 'triton::conv_add': 1}
+        'triton::inverse_scale': 1, 'triton::row_stats': 2, 'triton::kv_state': 1,
+        'triton::state_sum': 1, 'triton::output': 1, 'triton::conv_add': 1}
     launched, ops = tool.graph_launches(backward['module'])
     assert ops == 2 and launched.calls['triton::key_grad'] == 1
     assert launched.calls['triton::conv_weight_grad'] == 1

@@ -79,12 +79,14 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch
     B, N, n, C = -(-600 // heads), 384, 384, d * heads
     q, k, v = (torch.randn(B, L, C).to(dtype) for L in (N, n, n))
     mask = torch.arange(n).expand(B, n) < n - 3 if masked else None
-    s_inv, p = torch.ones(C), 3.0
+    scale, p = torch.zeros(C), 3.0
     weight, bias = torch.randn(C, 1, 5, 5), torch.randn(C)
     with mock.patch.object(triton_kernels, 'capability', lambda device: divmod(arch, 10)), \
             launches_recorded(lambda name, fn, grid, a, kw: calls.append((fn, a, kw))):
-        out, kv, km, stats_q, stats_k = triton_kernels.forward(q, k, v, s_inv, p, heads, mask)
-        triton_kernels.backward(out, q, k, v, s_inv, kv, km, stats_q, stats_k, p, heads, mask)
+        out, kv, km, stats_q, stats_k, s_inv = triton_kernels.forward(q, k, v, scale, p, heads,
+                                                                      mask)
+        triton_kernels.backward(out, q, k, v, scale, s_inv, kv, km, stats_q, stats_k, p, heads,
+                                mask)
         triton_conv_kernels.conv_add(v, weight, bias, out, (16, 24))
         triton_conv_kernels.conv_add(out, weight, None, None, (16, 24), flip=True)
         triton_conv_kernels.weight_grad(out, v, 5, (16, 24))

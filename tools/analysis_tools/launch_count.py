@@ -140,8 +140,8 @@ def counted_launches() -> Iterator[Dict[str, Callable]]:
     op to a function that runs the op's host code on its arguments and returns
     the launches it made."""
     from flatten_mm.models.ops import triton_backend, triton_conv
-    impls = {'flatten_mm::triton_attention': triton_backend._forward_impl,
-             'flatten_mm::triton_attention_backward': triton_backend._backward_impl,
+    impls = {'flatten_mm::triton_focused_attention': triton_backend._forward_impl,
+             'flatten_mm::triton_focused_attention_backward': triton_backend._backward_impl,
              'flatten_mm::triton_conv_add': triton_conv._add_impl,
              'flatten_mm::triton_conv_add_backward': triton_conv._backward_impl}
     launches = []

@@ -38,7 +38,7 @@ from benchmark_backbone import Case, check_model_names, parse_size  # noqa: E402
 # op name fragments -> family; the first match wins
 FAMILIES = [
     ('attention', ('scaled_dot_product', '_flash_attention', '_efficient_attention', 'softmax',
-                   'flatten_mm::triton_attention')),
+                   'flatten_mm::triton_focused_attention')),
     ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),  # flatten_mm::triton_conv_add too
     ('matmul', ('addmm', 'aten::mm', 'bmm', 'matmul', 'linear', 'einsum', 'baddbmm', 'dot',
                 'vecdot')),
@@ -135,7 +135,7 @@ def tally_ops(step, inside: Optional[Dict[str, Callable]] = None,
     internally or finds in cache is not seen); and the FLOPs of torch's FLOP
     counter's formulas (matmuls, convolutions, fused attention; none for the
     rest, ``flatten_mm::`` ops included). An op named in ``inside`` (e.g.
-    ``'flatten_mm::triton_attention'``) is counted by what its function there
+    ``'flatten_mm::triton_focused_attention'``) is counted by what its function there
     runs on the op's arguments instead: the ATen ops it dispatches, tallied as
     above, and the kernel launches it returns as (name, bytes) pairs. Each
     counted call (op or launch) is also appended to ``log``, if given, as

@@ -136,7 +136,7 @@ def graph_ops(gm) -> tuple:
         if node.op == 'call_function':
             target = str(node.target)  # flatten_mm.NAME; torch's functions by their name
             ops[target if 'flatten_mm' in target else getattr(node.target, '__name__', target)] += 1
-            if 'triton_attention' in str(node.target):
+            if 'triton_focused_attention' in str(node.target):
                 dtypes.add(str(node.args[0].meta['example_value'].dtype))
     return ops, dtypes
 

@@ -39,11 +39,17 @@ so each side has a pass computing per-(row, head) shares of it (stored as
 
 1. queries: partial gradients of KV and km per chunk (summed as the forward's
    partials), c's shares;
-2. queries: dq and the partial gradient of s_inv (u's gradient recomputed:
+2. queries: dq and the partial gradient of the scale (u's gradient recomputed:
    one d x d product, cheaper than a (B, N, C) fp32 buffer);
 3. keys: dv and c's shares;
-4. keys: dk and the partial gradient of s_inv (both sides' partials, chunk-major
-   in one buffer, added by one torch sum).
+4. keys: dk and the partial gradient of the scale (both sides' partials,
+   chunk-major in one buffer, added by one torch sum).
+
+The op takes the layer's raw ``scale`` parameter: a one-program kernel makes
+s_inv = 1 / softplus(scale) for the others (where torch made it with two ops),
+and the passes that write the scale's partial gradients take them through
+s_inv and softplus there, so no op outside the kernels takes the gradient on
+to the scale (four ops a layer before).
 
 With one head a row's c has one share, its own: passes 3 and 4 are one pass,
 and on sm_90 to sm_110 so are 1 and 2 (q, g, k and v read once each; on GPUs
@@ -76,9 +82,8 @@ from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..utils import autocast_off
-from .dispatch import (_torch_backend, exact_fp32, get_backend, inverse_focusing_scale,
-                       register_backend, register_op_pair)
+from .dispatch import (_torch_backend, exact_fp32, get_backend, register_backend,
+                       register_op_pair)
 
 # registered when triton is installed; imported on the first call only, so
 # processes that never run it on CUDA (CPU training, tests under the
@@ -204,52 +209,55 @@ def kernel_impl(fn: Callable) -> Callable:
 
 
 @kernel_impl
-def _forward_impl(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                   num_heads: int, key_mask: Optional[Tensor]
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """out, and the fp32 KV, km and row statistics of q and k that backward takes."""
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """out, and the fp32 KV, km, row statistics of q and k and s_inv that
+    backward takes; ``scale`` the layer's raw parameter (C elements, any shape)."""
     q, k, v = (channel_rows(x) for x in (q, k, v))
-    return tuple(kernels().forward(q, k, v, s_inv.contiguous(), focusing_factor, num_heads,
-                                   key_mask))
+    return tuple(kernels().forward(q, k, v, scale.reshape(-1).contiguous(), focusing_factor,
+                                   num_heads, key_mask))
 
 
-def _forward_fake(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, focusing_factor: float,
+def _forward_fake(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                   num_heads: int, key_mask: Optional[Tensor]
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, N, C = q.shape
     n, d = k.shape[1], C // num_heads
     f32 = dict(dtype=torch.float32, device=q.device)
     return (q.new_empty((B, N, C), dtype=v.dtype), q.new_empty((B, num_heads, d, d), **f32),
             q.new_empty((B, num_heads, d), **f32), q.new_empty((3, B, N), **f32),
-            q.new_empty((3, B, n), **f32))
+            q.new_empty((3, B, n), **f32), q.new_empty((C, ), **f32))
 
 
 @kernel_impl
-def _backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
-                   km: Tensor, stats_q: Tensor, stats_k: Tensor, focusing_factor: float,
-                   num_heads: int, key_mask: Optional[Tensor]
+def _backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
+                   s_inv: Tensor, kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor,
+                   focusing_factor: float, num_heads: int, key_mask: Optional[Tensor]
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients for q, k, v and s_inv."""
+    """Gradients for q, k, v and the raw scale (its shape and dtype)."""
     grad_out, q, k, v = (channel_rows(x) for x in (grad_out, q, k, v))
-    return tuple(kernels().backward(grad_out, q, k, v, s_inv.contiguous(), kv, km, stats_q,
-                                    stats_k, focusing_factor, num_heads, key_mask))
+    dq, dk, dv, ds = kernels().backward(grad_out, q, k, v, scale.reshape(-1).contiguous(), s_inv,
+                                        kv, km, stats_q, stats_k, focusing_factor, num_heads,
+                                        key_mask)
+    return dq, dk, dv, ds.view(scale.shape).to(scale.dtype)
 
 
-def _backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
-                   km: Tensor, stats_q: Tensor, stats_k: Tensor, focusing_factor: float,
-                   num_heads: int, key_mask: Optional[Tensor]
+def _backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
+                   s_inv: Tensor, kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor,
+                   focusing_factor: float, num_heads: int, key_mask: Optional[Tensor]
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            s_inv.new_empty(s_inv.shape))
+            scale.new_empty(scale.shape))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, s_inv, focusing_factor, num_heads, key_mask = inputs
-    _, kv, km, stats_q, stats_k = output
-    ctx.save_for_backward(q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask)
+    q, k, v, scale, focusing_factor, num_heads, key_mask = inputs
+    _, kv, km, stats_q, stats_k, s_inv = output
+    ctx.save_for_backward(q, k, v, scale, s_inv, kv, km, stats_q, stats_k, key_mask)
     ctx.focusing_factor, ctx.num_heads = focusing_factor, num_heads
-    ctx.mark_non_differentiable(kv, km, stats_q, stats_k)
-    # their gradients stay None: no four zero-filled tensors made for each backward
+    ctx.mark_non_differentiable(kv, km, stats_q, stats_k, s_inv)
+    # their gradients stay None: no five zero-filled tensors made for each backward
     ctx.set_materialize_grads(False)
 
 
@@ -258,16 +266,18 @@ def _backward(ctx: Any, grad_out: Optional[Tensor], *_: Optional[Tensor]) -> tup
     statistics' gradients are ignored: they are non-differentiable outputs)."""
     if grad_out is None:  # out's gradient is undefined: nothing flows back
         return (None, ) * 7
-    q, k, v, s_inv, kv, km, stats_q, stats_k, key_mask = ctx.saved_tensors
-    grads = torch.ops.flatten_mm.triton_attention_backward(
-        grad_out, q, k, v, s_inv, kv, km, stats_q, stats_k, ctx.focusing_factor, ctx.num_heads,
-        key_mask)
+    q, k, v, scale, s_inv, kv, km, stats_q, stats_k, key_mask = ctx.saved_tensors
+    grads = torch.ops.flatten_mm.triton_focused_attention_backward(
+        grad_out, q, k, v, scale, s_inv, kv, km, stats_q, stats_k, ctx.focusing_factor,
+        ctx.num_heads, key_mask)
     return tuple(grads) + (None, None, None)
 
 
 def _register_ops() -> None:
-    """flatten_mm::triton_attention and ::triton_attention_backward."""
-    register_op_pair('triton_attention', (_forward_impl, _forward_fake),
+    """flatten_mm::triton_focused_attention and its ``_backward`` (ops named
+    ``triton_attention`` before took 1 / softplus(scale), not the scale: a new
+    schema, a new name, :func:`.dispatch.register_op_pair`)."""
+    register_op_pair('triton_focused_attention', (_forward_impl, _forward_fake),
                      (_backward_impl, _backward_fake), (_backward, _setup_context))
 
 
@@ -293,8 +303,8 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
                    num_heads: int, key_mask: Optional[Tensor] = None,
                    overwrite_qk: bool = False) -> Tensor:
     """The backend (:func:`.dispatch.focused_linear_attention`'s signature): one
-    forward op; s_inv = 1 / softplus(scale) in fp32 by PyTorch ops, so autograd
-    takes the gradient on to ``scale``. ``overwrite_qk`` is moot (q and k are only read)."""
+    forward op, taking the raw ``scale`` (the kernels make 1 / softplus of it,
+    and its gradient). ``overwrite_qk`` is moot (q and k are only read)."""
     check_dtypes(q, k, v)
     d = q.shape[-1] // num_heads
     if d > MAX_HEAD_DIM:
@@ -325,11 +335,9 @@ def run_guarded(state: dict, what: str, ours, agrees, theirs) -> Tensor:
 
 def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                 num_heads: int, key_mask: Optional[Tensor] = None) -> Tensor:
-    """The forward op, with s_inv made from ``scale`` by differentiable PyTorch ops."""
-    with autocast_off(q.device.type):
-        s_inv = inverse_focusing_scale(scale, torch.float32)
-    return torch.ops.flatten_mm.triton_attention(q, k, v, s_inv, float(focusing_factor),
-                                                 int(num_heads), key_mask)[0]
+    """The forward op's output."""
+    return torch.ops.flatten_mm.triton_focused_attention(q, k, v, scale, float(focusing_factor),
+                                                         int(num_heads), key_mask)[0]
 
 
 # How far the kernels may be from the torch backend on the first-use check:

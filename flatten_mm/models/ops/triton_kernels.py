@@ -121,6 +121,43 @@ def _block_focus(x, s_inv, stats_ptr, b, tok, L, R, cmask, p, WHOLE_ROWS: tl.con
 
 
 @triton.jit
+def _inverse_scale(scale_ptr, offs, mask):
+    """s_inv = 1 / softplus(x) of the layer's raw scale x at ``offs`` (1 outside
+    ``mask``), and ds_inv / dx = -s_inv^2 sigmoid(x), in fp32. Softplus as
+    torch's: x past 20 is its own, else log(1 + e) for e = exp(x) times
+    e / ((1 + e) - 1), which restores the digits of a tiny e that 1 + e rounds
+    off (log1p); torch's gradient is then 1, else e / (1 + e)."""
+    x = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    big = x > 20.0
+    e = tl.exp(tl.minimum(x, 20.0))
+    e1 = 1.0 + e
+    tiny = e1 == 1.0
+    log1p = tl.where(tiny, e, tl.log(e1) * (e / tl.where(tiny, 1.0, e1 - 1.0)))
+    s_inv = tl.where(mask, 1.0 / tl.where(big, x, log1p), 1.0)
+    return s_inv, -s_inv * s_inv * tl.where(big, 1.0, e / e1)
+
+
+@triton.jit
+def _inverse_scale_kernel(scale_ptr, s_inv_ptr, C, BLOCK: tl.constexpr):
+    """s_inv of the layer's C raw scales (:func:`_inverse_scale`), once per call
+    for every later kernel: made in each, it stayed live across their loops
+    (spilled registers of the state pass on sm_100 to sm_120)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s_inv, _ = _inverse_scale(scale_ptr, offs, offs < C)
+    tl.store(s_inv_ptr + offs, s_inv, mask=offs < C)
+
+
+@triton.jit
+def _store_scale_grad(ds_ptr, ds, scale_ptr, chunk, bh, col0, cols, cmask, D):
+    """A chunk's partial gradient ``ds`` of s_inv for one (image, head), taken on
+    to the raw scale (times ds_inv / dx, :func:`_inverse_scale`; linear, so the
+    partials' sum is the scale's gradient), chunk-major as both passes'
+    partials: one sum over them."""
+    _, ds_dx = _inverse_scale(scale_ptr, col0 + cols, cmask)
+    tl.store(ds_ptr + (chunk * tl.num_programs(0) + bh) * D + cols, ds * ds_dx, mask=cmask)
+
+
+@triton.jit
 def _head_program(s_inv_ptr, h, D, BD: tl.constexpr):
     """What a program over (image * head, ...) starts from: its image b, its
     head's first channel col0, the padded channel range and its mask, and the
@@ -314,13 +351,13 @@ def _row_sum_over_heads(gc_ptr, b, tok, L, h, BH: tl.constexpr):
 
 
 @triton.jit
-def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_ptr, dq_ptr, ds_ptr,
-                       dkv_ptr, dkm_ptr, N, h, D, stride_qb, stride_qn, stride_gb, stride_gn,
+def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, scale_ptr, kv_ptr, km_ptr, gc_ptr,
+                       dq_ptr, ds_ptr, dkv_ptr, dkm_ptr, N, h, D, stride_qb, stride_qn, stride_gb, stride_gn,
                        stride_db, stride_dn, p, blocks_per_prog, WHOLE_ROWS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 2 over one chunk of queries and one head: dq, and the chunk's
-    partial gradient of s_inv for the head's channels. u's gradient is
+    partial gradient of the raw scale for the head's channels. u's gradient is
     w A + gd km (A, gd recomputed: cheaper than storing a (B, N, C) fp32 buffer).
     With WHOLE_ROWS (one head) a row's gradient of c is its own share, so this
     pass also does pass 1's work (partials of dKV and dkm) and pass 1 is skipped:
@@ -345,8 +382,7 @@ def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, gc_pt
         _store_rows(dq_ptr, grad_x, b, tok, col0, cols, N, D, stride_db, stride_dn)
         ds += tl.sum(grad_s, axis=0)
     slot = bh * tl.num_programs(1) + chunk
-    # chunk-major, as the key pass's: one sum over both (launcher)
-    tl.store(ds_ptr + (chunk * tl.num_programs(0) + bh) * D + cols, ds, mask=cmask)
+    _store_scale_grad(ds_ptr, ds, scale_ptr, chunk, bh, col0, cols, cmask, D)
     if WHOLE_ROWS:
         _store_state(dkv_ptr, dkm_ptr, slot, cols, cmask, D, dkv, dkm)
 
@@ -407,14 +443,14 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
 
 
 @triton.jit
-def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_ptr, inv_count_ptr,
-                     inv_n, gc_ptr, dk_ptr, ds_ptr, dv_ptr, n, h, D, stride_kb, stride_kn,
+def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, scale_ptr, dkv_ptr, dkm_ptr,
+                     inv_count_ptr, inv_n, gc_ptr, dk_ptr, ds_ptr, dv_ptr, n, h, D, stride_kb, stride_kn,
                      stride_vb, stride_vn, stride_mb, stride_db, stride_dn, stride_eb, stride_en, p,
                      blocks_per_prog, HAS_MASK: tl.constexpr, WHOLE_ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 4 over one chunk of keys and one head: dk (u's gradient kappa Bm,
-    c's the row sum over heads of gc), and the chunk's partial gradient of s_inv.
+    c's the row sum over heads of gc), and the chunk's partial gradient of the raw scale.
     With WHOLE_ROWS (one head) c's gradient is the row's own share, so this pass
     also writes dv (pass 3's work, skipped then): k and v are read once."""
     bh, b, col0, cols, cmask, s_inv = _head_program(s_inv_ptr, h, D, BD)
@@ -440,7 +476,7 @@ def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr, dkm_
         grad_x, grad_s = _map_backward(x, a, u, c, t, (c * share)[:, None] * bm, grad_c, s_inv, p)
         _store_rows(dk_ptr, grad_x, b, tok, col0, cols, n, D, stride_db, stride_dn)
         ds += tl.sum(grad_s, axis=0)
-    tl.store(ds_ptr + (chunk * tl.num_programs(0) + bh) * D + cols, ds, mask=cmask)
+    _store_scale_grad(ds_ptr, ds, scale_ptr, chunk, bh, col0, cols, cmask, D)
 
 
 # ---------------------------------------------------------------- launchers
@@ -637,14 +673,27 @@ def _launch_opts(pl: Plan) -> dict:
                 num_warps=pl.warps, **COMPILE_OPTIONS)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
+def inverse_scale(scale: Tensor) -> Tensor:
+    """(C,) fp32 1 / softplus(scale) of the layer's raw (C,) scale, one launch."""
+    C = scale.numel()
+    s_inv = torch.empty(C, dtype=torch.float32, device=scale.device)
+    block = min(1024, triton.next_power_of_2(C))
+    _inverse_scale_kernel[(triton.cdiv(C, block), )](scale, s_inv, C, BLOCK=block,
+                                                     num_warps=NUM_WARPS, **COMPILE_OPTIONS)
+    return s_inv
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float,
             num_heads: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
     """out (B, N, C) in v's dtype, and what backward needs: KV (B, h, d, d) and
-    km (B, h, d) (fp32, divided by the key count), the row statistics of q and k."""
+    km (B, h, d) (fp32, divided by the key count), the row statistics of q and
+    k, and s_inv = 1 / softplus(scale) of the layer's raw (C,) ``scale`` (any
+    float dtype; fp32 (C,), :func:`inverse_scale`)."""
     B, N, C = q.shape
     n, h = k.shape[1], num_heads
     d = C // h
     f32 = dict(dtype=torch.float32, device=q.device)
+    s_inv = inverse_scale(scale)
     whole = h == 1  # the token kernels see whole rows: they make the statistics
     stats_q, stats_k = (row_stats(x, s_inv, p, not whole) for x in (q, k))
     kp = plan(n, B * h, d, v.dtype, sm_count(k.device))
@@ -661,7 +710,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, p: float,
     _output_kernel[(B * h, triton.cdiv(N, qp.block_n))](
         q, stats_q, s_inv, kv, km, out, N, h, d, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), p, WHOLE_ROWS=whole, **_launch_opts(qp))
-    return out, kv, km, stats_q, stats_k
+    return out, kv, km, stats_q, stats_k, s_inv
 
 
 def fuses_query_passes(cap: Tuple[int, int]) -> bool:
@@ -675,11 +724,11 @@ def fuses_query_passes(cap: Tuple[int, int]) -> bool:
     return 9 <= cap[0] <= 11
 
 
-def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
+def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, scale: Tensor, kv: Tensor, km: Tensor,
                     stats_q: Tensor, p: float, h: int, qp: Plan, ds: Tensor
                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, and the gradients of KV and km; the chunks' partial gradients of s_inv
-    through q into ``ds`` (qp.chunks, B * h, d). One head, where
+    """dq, and the gradients of KV and km; the chunks' partial gradients of the
+    raw scale through q into ``ds`` (qp.chunks, B * h, d). One head, where
     :func:`fuses_query_passes`: one pass (the dq pass makes the partials too);
     else two."""
     B, N, C = q.shape
@@ -696,17 +745,17 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, kv: Tensor, km: Tensor,
             q.stride(1), g.stride(0), g.stride(1), p, qp.blocks_per_prog, **_launch_opts(qp))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _query_grad_kernel[grid](
-        q, g, stats_q, s_inv, kv, km, gc, dq, ds, dkv_part, dkm_part, N, h, d, q.stride(0),
-        q.stride(1), g.stride(0), g.stride(1), dq.stride(0), dq.stride(1), p,
+        q, g, stats_q, s_inv, scale, kv, km, gc, dq, ds, dkv_part, dkm_part, N, h, d,
+        q.stride(0), q.stride(1), g.stride(0), g.stride(1), dq.stride(0), dq.stride(1), p,
         qp.blocks_per_prog, WHOLE_ROWS=fused, BH=triton.next_power_of_2(h), **_launch_opts(qp))
     return (dq, *summed_states(dkv_part, dkm_part, (B, h, d), qp.bd))
 
 
-def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor, stats_k: Tensor,
-                  p: float, h: int, key_mask: Optional[Tensor], kp: Plan, ds: Tensor
-                  ) -> Tuple[Tensor, Tensor]:
+def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, scale: Tensor, dkv: Tensor, dkm: Tensor,
+                  stats_k: Tensor, p: float, h: int, key_mask: Optional[Tensor], kp: Plan,
+                  ds: Tensor) -> Tuple[Tensor, Tensor]:
     """dk and dv from the gradients of KV and km; the chunks' partial gradients of
-    s_inv through k into ``ds`` (kp.chunks, B * h, d). One head: one pass (the
+    the raw scale through k into ``ds`` (kp.chunks, B * h, d). One head: one pass (the
     dk pass writes dv too); else two. Without a key mask each key's share is
     the scalar 1 / n (no count tensor)."""
     B, n, C = k.shape
@@ -724,26 +773,29 @@ def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, dkv: Tensor, dkm: Tensor,
             HAS_MASK=has_mask, **_launch_opts(kp))
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _key_grad_kernel[(B * h, kp.chunks)](
-        k, v, mask, stats_k, s_inv, dkv, dkm, inv, 1.0 / n, gc, dk, ds, dv, n, h, d, k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), stride_m, dk.stride(0), dk.stride(1),
+        k, v, mask, stats_k, s_inv, scale, dkv, dkm, inv, 1.0 / n, gc, dk, ds, dv, n, h, d,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_m, dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), p, kp.blocks_per_prog, HAS_MASK=has_mask, WHOLE_ROWS=whole,
         BH=triton.next_power_of_2(h), **_launch_opts(kp))
     return dk, dv
 
 
-def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, s_inv: Tensor, kv: Tensor,
-             km: Tensor, stats_q: Tensor, stats_k: Tensor, p: float, num_heads: int,
-             key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
-    """Gradients for q, k, v and s_inv (fp32, (C,)) given that of out. The query
-    and key passes write their chunks' partial gradients of s_inv into one
-    buffer, chunk-major, so that one sum gives s_inv's."""
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, s_inv: Tensor,
+             kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor, p: float,
+             num_heads: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """Gradients for q, k, v and the raw scale (fp32, (C,)) given that of out
+    (``s_inv``: the forward's, :func:`inverse_scale`). The query and key passes
+    write their chunks' partial gradients of the scale (through s_inv and
+    softplus: :func:`_store_scale_grad`) into one buffer, chunk-major, so that
+    one sum gives the scale's."""
     B, N, C = q.shape
     h, n = num_heads, k.shape[1]
     d = C // h
     qp = plan(N, B * h, d, v.dtype, sm_count(q.device), backward=True)
     kp = plan(n, B * h, d, v.dtype, sm_count(k.device), backward=True)
     ds = torch.empty((qp.chunks + kp.chunks, B * h, d), dtype=torch.float32, device=q.device)
-    dq, dkv, dkm = _query_backward(grad_out, q, s_inv, kv, km, stats_q, p, h, qp,
+    dq, dkv, dkm = _query_backward(grad_out, q, s_inv, scale, kv, km, stats_q, p, h, qp,
                                    ds[:qp.chunks])
-    dk, dv = _key_backward(k, v, s_inv, dkv, dkm, stats_k, p, h, key_mask, kp, ds[qp.chunks:])
+    dk, dv = _key_backward(k, v, s_inv, scale, dkv, dkm, stats_k, p, h, key_mask, kp,
+                           ds[qp.chunks:])
     return dq, dk, dv, ds.view(-1, B, h, d).sum((0, 1)).reshape(C)

@@ -26,6 +26,20 @@ from flatten_mm.models.ops import triton_backend as tb
 
 pytestmark = pytest.mark.skipif(not tb.AVAILABLE, reason='triton does not import')
 
+if tb.AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from flatten_mm.models.ops import triton_kernels as tk  # under conftest's interpreter switch
+
+    @triton.jit
+    def _inverse_scale_probe(scale_ptr, s_inv_ptr, grad_ptr, n, BLOCK: tl.constexpr):
+        """s_inv and ds_inv / dx of n raw scales x, by the kernels' own function."""
+        offs = tl.arange(0, BLOCK)
+        s_inv, grad = tk._inverse_scale(scale_ptr, offs, offs < n)
+        tl.store(s_inv_ptr + offs, s_inv, mask=offs < n)
+        tl.store(grad_ptr + offs, grad, mask=offs < n)
+
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 NAMES = ('out', 'q', 'k', 'v', 'scale')
@@ -202,20 +216,19 @@ def test_auto_choice_compiles_without_importing(monkeypatch):
 
 def op_args(masked):
     q, k, v, scale, mask, _ = inputs(2, 9, 5, 16, torch.float32, masked)
-    s_inv = (1.0 / F.softplus(scale)).reshape(-1)
-    return [t.requires_grad_() for t in (q, k, v, s_inv)] + [3.0, 2, mask]
+    return [t.requires_grad_() for t in (q, k, v, scale)] + [3.0, 2, mask]
 
 
 def test_opcheck():
     """Schema, fake implementation, autograd registration and AOT dispatch of both ops
     (with a key mask; compile and export below pass None)."""
     args = op_args(True)
-    torch.library.opcheck(torch.ops.flatten_mm.triton_attention.default, args)
-    out, kv, km, stats_q, stats_k = torch.ops.flatten_mm.triton_attention(*args)
+    torch.library.opcheck(torch.ops.flatten_mm.triton_focused_attention.default, args)
+    out, kv, km, stats_q, stats_k, s_inv = torch.ops.flatten_mm.triton_focused_attention(*args)
     g = torch.randn_like(out)
     bwd_args = [g] + [a.detach() if torch.is_tensor(a) else a for a in args[:4]] + \
-        [kv, km, stats_q, stats_k] + args[4:]
-    torch.library.opcheck(torch.ops.flatten_mm.triton_attention_backward.default, bwd_args)
+        [s_inv, kv, km, stats_q, stats_k] + args[4:]
+    torch.library.opcheck(torch.ops.flatten_mm.triton_focused_attention_backward.default, bwd_args)
 
 
 def test_compile_fullgraph_one_op_each():
@@ -239,8 +252,8 @@ def test_compile_fullgraph_one_op_each():
                                  backend=aot_autograd(fw_compiler=record, bw_compiler=record))
         got = run_fn(compiled, q, k, v, scale, mask, g)
         want = run_fn(f, q, k, v, scale, mask, g)
-    assert any('flatten_mm.triton_attention.default' in s for s in graphs)
-    assert any('flatten_mm.triton_attention_backward.default' in s for s in graphs)
+    assert any('flatten_mm.triton_focused_attention.default' in s for s in graphs)
+    assert any('flatten_mm.triton_focused_attention_backward.default' in s for s in graphs)
     for name, x, r in zip(NAMES, got, want):
         torch.testing.assert_close(x, r, msg=name)
 
@@ -262,7 +275,7 @@ def test_export():
         ep = torch.export.export(Core(), (q, k, v, scale))
         want = Core()(q, k, v, scale)
     targets = [str(n.target) for n in ep.graph.nodes if n.op == 'call_function']
-    assert 'flatten_mm.triton_attention.default' in targets
+    assert 'flatten_mm.triton_focused_attention.default' in targets
     torch.testing.assert_close(ep.module()(q, k, v, scale), want)
 
 
@@ -603,8 +616,8 @@ def test_every_launch_names_its_compile_options(monkeypatch):
             layer(x, (5, 6)).square().sum().backward()
     kernels = {name for module in (tb.kernels(), tc.kernels()) for name in vars(module)
                if name.startswith('_') and name.endswith('_kernel')}
-    # every kernel: row statistics, 6 token passes, the chunk sums, 2 conv
-    assert {name for name, _ in launches} == kernels and len(kernels) == 10, sorted(kernels)
+    # every kernel: the inverse scale, row statistics, 6 token passes, the chunk sums, 2 conv
+    assert {name for name, _ in launches} == kernels and len(kernels) == 11, sorted(kernels)
     bad = [name for name, kwargs in launches if kwargs.get('enable_fp_fusion') is not True]
     assert not bad, bad
 
@@ -670,8 +683,9 @@ def test_the_backward_makes_no_zero_gradients_for_the_states():
     """The op's states and row statistics are non-differentiable outputs:
     autograd hands its backward None for them, not four zero-filled tensors
     (``set_materialize_grads(False)``: four kernel launches fewer a layer on a
-    GPU); the scale's inverse is one ``reciprocal`` (``1.0 / x`` is two ops);
-    the gradients stay the reference's."""
+    GPU); the kernels take the raw scale, so no op outside the Triton ones makes
+    1 / softplus(scale) or takes its gradient on (six ops a layer, two of them
+    forward); the gradients stay the reference's."""
     from torch.utils._python_dispatch import TorchDispatchMode
     q, k, v, scale, _, g = inputs(2, 24, 24, 16, torch.float32)
     ts = [t.detach().requires_grad_() for t in (q, k, v, scale)]
@@ -683,12 +697,40 @@ def test_the_backward_makes_no_zero_gradients_for_the_states():
             return func(*args, **(kwargs or {}))
     with Log(), use_backend('triton'):
         out = focused_linear_attention(*ts, 3.0, 2, None)
-    assert 'triton_attention' in ops and 'reciprocal' in ops and 'mul' not in ops, ops
+    assert ops == ['triton_focused_attention'], ops
     ops.clear()
     with Log():
         grads = torch.autograd.grad(out, ts, g)
-    assert 'triton_attention_backward' in ops
-    assert not [op for op in ops if 'zero' in op or op.startswith('fill')], ops
+    assert ops == ['triton_focused_attention_backward'], ops
     ref = run('reference', q, k, v, scale, 3.0, 2, None, g, torch.float64)
     for name, x, r in zip(NAMES[1:], grads, ref[1:]):
+        assert rel_err(x, r) < TOL[torch.float32], name
+
+
+def test_the_kernels_make_the_inverse_scale_and_its_gradient_as_torch():
+    """The kernels take the layer's raw scale x: 1 / softplus(x) and its derivative,
+    element by element, equal torch's in float64 to fp32's precision on both sides
+    of softplus's threshold (20) and where exp(x) is below 1 + x's rounding (x < -16:
+    a plain log(1 + exp(x)) is off by 1% at x = -12 and returns 0 below -17)."""
+    x = torch.tensor([-40., -17., -12., -5., -1., 0., 0.5, 3., 19.9, 20., 20.1, 30., 80.],
+                     device=DEVICE)
+    s_inv, grad = torch.empty_like(x), torch.empty_like(x)
+    with tb.on_device(x.device):
+        _inverse_scale_probe[(1, )](x, s_inv, grad, x.numel(), BLOCK=16)
+    x64 = x.double().requires_grad_()
+    ref = 1 / F.softplus(x64)
+    ref_grad, = torch.autograd.grad(ref.sum(), x64)
+    assert torch.allclose(s_inv.double(), ref.detach(), rtol=2e-6, atol=0), (s_inv, ref)
+    assert torch.allclose(grad.double(), ref_grad, rtol=2e-6, atol=0), (grad, ref_grad)
+
+
+@pytest.mark.parametrize('value', [-14.0, 0.0, 21.0])
+def test_scale_gradient_on_either_side_of_softplus_threshold(value):
+    """The scale's gradient, taken on through softplus in the kernels, equals the
+    reference's with the scale's channels at, below and above softplus's threshold."""
+    q, k, v, scale, mask, g = inputs(2, 37, 29, 32, torch.float32, True)
+    scale = scale + value
+    got = run('triton', q, k, v, scale, 3.0, 2, mask, g)
+    ref = run('reference', q, k, v, scale, 3.0, 2, mask, g, torch.float64)
+    for name, x, r in zip(NAMES, got, ref):
         assert rel_err(x, r) < TOL[torch.float32], name
