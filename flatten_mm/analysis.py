@@ -83,11 +83,13 @@ def depthwise_conv_flops(inputs, outputs) -> Counter:
 
 
 def triton_conv_add_flops(inputs, outputs) -> Counter:
-    """mmengine FLOP handle for the ``flatten_mm::triton_conv_add`` op (out +
-    DWC(x), arguments out, x, weight, bias, H, W): the conv's count, as
+    """mmengine FLOP handle for the ``flatten_mm::triton_local_conv_add`` op (out +
+    DWC(x), arguments out, x, weight, bias, extra weight or None, its bias, H,
+    W): the count of the merged kernel's conv (the larger part's size), as
     :func:`depthwise_conv_flops` (the add is element-wise, not counted)."""
     B, L, C = _shape(inputs[1])
-    k = _shape(inputs[2])[-1]
+    k = max(_shape(t)[-1] for t in (inputs[2], inputs[4])
+            if t.type().kind() == 'TensorType')
     return Counter({'conv': B * L * C * k * k})
 
 
@@ -106,7 +108,7 @@ FLOP_HANDLES: Dict[str, Callable] = {
     'prim::PythonOp.FocusedLinearAttentionFn': focused_linear_attention_flops,
     'flatten_mm::triton_focused_attention': triton_focused_attention_flops,
     'prim::PythonOp.DepthwiseConvFn': depthwise_conv_flops,
-    'flatten_mm::triton_conv_add': triton_conv_add_flops,
+    'flatten_mm::triton_local_conv_add': triton_conv_add_flops,
 }
 
 

@@ -64,6 +64,23 @@ def test_triton_backend_counts_as_the_torch_backend():
     assert counts['triton'] == counts['torch']
 
 
+@pytest.mark.parametrize('kernel_size', [5, 1])
+def test_triton_backend_counts_the_dwc_and_lepe_as_one_conv(kernel_size):
+    """CSwin's DWC and LePE, given to the fused op as parts, count as one conv
+    of the larger kernel, as the merged kernel's conv on the torch backend."""
+    C, h, H, W = 32, 2, 6, 10
+    m = FocusedLinearAttention(C, h, lepe=True, kernel_size=kernel_size,
+                               pos_grid=(H, W)).eval()
+    x = torch.randn(2, H * W, C)
+    counts = {}
+    for backend in ('torch', 'triton'):
+        with use_backend(backend):
+            counts[backend] = flop_analyzer(Call(m, (H, W)), (x,)).by_operator()
+    k = max(kernel_size, 3)
+    assert counts['triton']['conv'] == 2 * H * W * C * k * k
+    assert counts['triton'] == counts['torch']
+
+
 def test_softmax_attention_is_counted():
     q = torch.randn(2, 3, 10, 8)
     k = torch.randn(2, 3, 14, 8)

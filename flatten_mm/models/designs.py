@@ -313,28 +313,14 @@ def get_design(name: str) -> Design:
     return DESIGNS[check_design(name)]
 
 
-def local_kernel(layer: nn.Module) -> Optional[Tuple[Tensor, Tensor]]:
-    """(weight, bias) of the layer's depth-wise conv on V over all C channels:
-    its DWC (``dwc``, one d-channel kernel repeated per head) plus CSwin's
-    LePE (``get_v``) folded into the same kernel; None when it has neither
+def local_kernel(layer: nn.Module) -> Optional[Tuple[Tensor, Tensor, Optional[tuple]]]:
+    """The layer's depth-wise conv on V over all C channels as
+    :func:`~flatten_mm.models.ops.depthwise_conv_add` takes it, in parts: its
+    DWC's (d, 1, K, K) kernel and (d,) bias (``dwc``, one kernel for every
+    head), and CSwin's LePE (``get_v``) as the extra (weight, bias) (None
+    without); LePE alone where there is no DWC. None when it has neither
     (``kernel_size=0``, or a design without DWC, and no LePE)."""
     dwc, lepe = getattr(layer, 'dwc', None), getattr(layer, 'get_v', None)
     if dwc is None:
-        return None if lepe is None else (lepe.weight, lepe.bias)
-    weight = dwc.weight.repeat(layer.num_heads, 1, 1, 1)
-    bias = dwc.bias.repeat(layer.num_heads)
-    if lepe is not None:
-        # DWC(V) + LePE(V) is one depth-wise conv: both are centred and
-        # zero-padded, so their kernels add (the smaller one zero-padded)
-        k = max(weight.shape[-1], lepe.weight.shape[-1])
-        weight = padded_to(weight, k) + padded_to(lepe.weight, k)
-        bias = bias + lepe.bias
-    return weight, bias
-
-
-def padded_to(weight: Tensor, k: int) -> Tensor:
-    """A (C, 1, K, K) kernel centred in k x k zeros; itself, not a copy, if
-    K == k (a pad by nothing is still a copy, a kernel launch on a GPU): not to
-    be written into."""
-    pad = (k - weight.shape[-1]) // 2
-    return F.pad(weight, [pad] * 4) if pad else weight
+        return None if lepe is None else (lepe.weight, lepe.bias, None)
+    return dwc.weight, dwc.bias, None if lepe is None else (lepe.weight, lepe.bias)

@@ -475,15 +475,21 @@ def test_every_design_on_cuda_equals_cpu(name):
 
 @pytest.mark.parametrize('kernel_size,pads', [(5, 1), (3, 0), (1, 1)])
 def test_dwc_and_lepe_merge_into_one_kernel_padding_only_the_smaller(kernel_size, pads):
-    """The DWC (repeated per head) and LePE's 3x3 kernel add into one kernel
-    of the larger size, centred; a kernel already of that size is not padded
-    (a pad by nothing is a copy: a kernel launch every training step)."""
+    """The layer gives its local term in parts (the DWC's one head, LePE's);
+    merged for the PyTorch conv, the DWC (repeated per head) and LePE's 3x3
+    kernel add into one kernel of the larger size, centred; a kernel already
+    of that size is not padded (a pad by nothing is a copy: a kernel launch
+    every training step)."""
     from backbone_checks import calls_of
     from flatten_mm.models.designs import local_kernel
+    from flatten_mm.models.ops.conv import merged_kernel
     m = FocusedLinearAttention(8, 2, pos_grid=(5, 7), lepe=True, kernel_size=kernel_size)
+    weight, bias, extra = local_kernel(m)
+    assert weight is m.dwc.weight and bias is m.dwc.bias
+    assert extra[0] is m.get_v.weight and extra[1] is m.get_v.bias
     got = []
     assert len(calls_of(torch.ops.aten.constant_pad_nd,
-                        lambda: got.extend(local_kernel(m)))) == pads
+                        lambda: got.extend(merged_kernel(8, weight, bias, extra)))) == pads
     k = max(kernel_size, 3)
     want = torch.zeros(8, 1, k, k)
     d, o = (k - kernel_size) // 2, (k - 3) // 2

@@ -346,7 +346,7 @@ def test_profile_backbone_takes_gpu_time_of_ops_and_the_core_op():
     assert tool.leaf_self_times(prof, 'cpu') == {
         'aten::mm': 0.05, 'flatten_mm::triton_focused_attention': 0.03, 'aten::view': 0.005}
     assert tool.family_of('flatten_mm::triton_focused_attention_backward') == 'attention'
-    assert tool.family_of('flatten_mm::triton_conv_add_backward') == 'conv'
+    assert tool.family_of('flatten_mm::triton_local_conv_add_backward') == 'conv'
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):  # named, before any subprocess starts
             tool.main(['--device', 'cuda', '--models', 'flatten-swin-t'])

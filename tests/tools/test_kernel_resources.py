@@ -26,16 +26,18 @@ FORWARD = ['_kv_state_kernel', '_state_sum_kernel', '_output_kernel']
 HEADS = ['_inverse_scale_kernel'] + ['_row_stats_kernel'] * 2 + FORWARD + [
     '_query_state_grad_kernel', '_query_grad_kernel', '_state_sum_kernel',
     '_key_value_grad_kernel', '_key_grad_kernel']
-ONE_HEAD = ['_inverse_scale_kernel'] + FORWARD + ['_query_grad_kernel', '_state_sum_kernel', '_key_grad_kernel']
+ONE_HEAD = ['_inverse_scale_kernel'] + FORWARD + ['_query_grad_kernel', '_state_sum_kernel',
+                                                  '_key_grad_kernel']
 # on GPUs with only the warp-level MMA (sm_80-89, sm_120) the one-head query side
 # keeps its two passes (fused, it spilled)
 ONE_HEAD_SM80 = ['_inverse_scale_kernel'] + FORWARD + [
     '_query_state_grad_kernel', '_query_grad_kernel', '_state_sum_kernel', '_key_grad_kernel']
-# the fused out + DWC(V): forward, V's gradient (the same kernel), weight gradient
-CONV = ['_conv_add_kernel'] * 2 + ['_conv_weight_grad_kernel']
+# the fused out + DWC(V): forward, V's gradient (the same kernel), weight gradient (a
+# sweep, then the chunks summed into the kernel's parts)
+CONV = ['_conv_add_kernel'] * 2 + ['_conv_weight_grad_kernel', '_conv_grad_sum_kernel']
 # kernels without a dot: per-row reductions and the depth-wise conv
 NO_DOT = {'_row_stats_kernel', '_conv_add_kernel', '_conv_weight_grad_kernel',
-          '_state_sum_kernel', '_inverse_scale_kernel'}
+          '_state_sum_kernel', '_inverse_scale_kernel', '_conv_grad_sum_kernel'}
 
 
 def nvidia_backend() -> bool:
@@ -66,9 +68,11 @@ def build(tmp_path, arch, *args):
         assert row['spill_stores'] == row['spill_loads'] == 0, row
         assert row['shared'] <= SHARED_PER_PROGRAM[arch], row
         # every kernel with a dot or a reduction stages through shared memory
-        # (but the conv, the chunk sums and the scale: element-wise loads and adds)
+        # (but the conv, the chunk sums and the scale: element-wise loads and adds;
+        # the conv's sum over heads, with one head none)
         assert row['shared'] > 0 or row['kernel'] in (
-            '_conv_add_kernel', '_state_sum_kernel', '_inverse_scale_kernel'), row
+            '_conv_add_kernel', '_state_sum_kernel', '_inverse_scale_kernel',
+            '_conv_grad_sum_kernel'), row
         assert row['num_warps'] == 8, row
         # the looping kernels real sizes run, not the loop-free ones triton
         # builds for one block per program (an argument equal to 1 is a constant)

@@ -63,11 +63,12 @@ def count_layer(heads):
 
 
 def test_a_layers_kernels_counted_by_hand():
-    """Two heads of 16 channels: q's and k's statistics passes, the state pass,
-    the output pass (reading q, its statistics, 1/scale, KV and km, writing
-    out: bytes by hand), the fused DWC, and 1/scale made once from the raw scale; backward's four passes and the conv's
-    two. With one head the token kernels make the statistics and fuse the
-    passes: no statistics pass, two attention passes in backward (on sm_90)."""
+    """Two heads of 16 channels: 1/scale made once from the raw scale, q's and
+    k's statistics passes, the state pass, the output pass (reading q, its
+    statistics, 1/scale, KV and km, writing out: bytes by hand), the fused DWC;
+    backward's four passes and the conv's three. With one head the token
+    kernels make the statistics and fuse the passes: no statistics pass, two
+    attention passes in backward (on sm_90)."""
     forward, backward = count_layer(2)
     assert not any(op.startswith('flatten_mm::') for op in {**forward.calls, **backward.calls})
     assert {op: n for op, n in forward.calls.items() if op.startswith('triton::')} == {
@@ -85,17 +86,21 @@ def test_a_layers_kernels_counted_by_hand():
     assert {op: n for op, n in backward.calls.items() if op.startswith('triton::')} == {
         'triton::query_state_grad': 1, 'triton::query_grad': 1, 'triton::state_sum': 1,
         'triton::key_value_grad': 1, 'triton::key_grad': 1, 'triton::conv_add': 1,
-        'triton::conv_weight_grad': 1}
+        'triton::conv_weight_grad': 1, 'triton::conv_grad_sum': 1}
     # the chunks' partial states (and their gradients) summed and divided by the key
     # count in one kernel, 1 / n a scalar: no torch sum, count or scaling in the forward
     # (its one sum the loss's), and none left to the backward but the scale's one sum
     assert forward.calls['aten::sum'] == 1 and 'aten::mul_' not in forward.calls
     assert 'aten::full' not in forward.calls and 'aten::full' not in backward.calls
+    # the DWC read from its one head's kernel: no repeat forward, and its gradient summed
+    # over the heads in the kernel that sums the chunks (no sum, copy or clone of torch's)
+    assert 'aten::repeat' not in forward.calls
+    assert not {'aten::clone', 'aten::contiguous'} & set(backward.calls), backward.calls
     forward, backward = count_layer(1)
     assert 'triton::row_stats' not in forward.calls
     assert {op for op in backward.calls if op.startswith('triton::')} == {
         'triton::query_grad', 'triton::state_sum', 'triton::key_grad', 'triton::conv_add',
-        'triton::conv_weight_grad'}
+        'triton::conv_weight_grad', 'triton::conv_grad_sum'}
 
 
 def test_what_a_launch_leaves_uncounted_its_kernel_does_not_touch():

@@ -32,7 +32,7 @@ def test_every_family_traces_for_cuda_in_one_graph(tmp_path):
         attention, conv = BLOCKS[row['model']]
         assert row['status'] == 'ok', row
         assert row['ops'].get('flatten_mm.triton_focused_attention') == attention, row
-        assert row['ops'].get('flatten_mm.triton_conv_add', 0) == conv, row
+        assert row['ops'].get('flatten_mm.triton_local_conv_add', 0) == conv, row
         # bf16 autocast really casts in the trace (without a GPU it turns itself off)
         assert row['attention_dtypes'] == [f'torch.{ {"fp32": "float32", "bf16": "bfloat16"}[row["dtype"]]}'], row
     assert (tmp_path / 'rows.json').exists()

@@ -65,10 +65,10 @@ def parse_case(text: str) -> tuple:
 
 def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch: int) -> list:
     """(kernel, args, kwargs) of each launch of one forward and backward of the
-    attention core and of the fused local term (the 5 x 5 DWC of V added to the
-    output, on a 16 x 24 grid), the launchers run on CPU tensors with every
-    kernel replaced by a recorder and the device taken for one of compute
-    capability ``arch``."""
+    attention core and of the fused local term (the 5 x 5 DWC of V and a 3 x 3
+    LePE added to the output, on a 16 x 24 grid), the launchers run on CPU
+    tensors with every kernel replaced by a recorder and the device taken for
+    one of compute capability ``arch``."""
     from launch_count import launches_recorded
 
     from flatten_mm.models.ops import triton_conv_kernels, triton_kernels
@@ -80,16 +80,18 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch
     q, k, v = (torch.randn(B, L, C).to(dtype) for L in (N, n, n))
     mask = torch.arange(n).expand(B, n) < n - 3 if masked else None
     scale, p = torch.zeros(C), 3.0
-    weight, bias = torch.randn(C, 1, 5, 5), torch.randn(C)
+    # the local term in parts, as CSwin's: a head's 5 x 5 DWC shared by the heads, LePE's 3 x 3
+    weight, bias, lepe = torch.randn(d, 1, 5, 5), torch.randn(d), (torch.randn(C, 1, 3, 3),
+                                                                   torch.randn(C))
     with mock.patch.object(triton_kernels, 'capability', lambda device: divmod(arch, 10)), \
             launches_recorded(lambda name, fn, grid, a, kw: calls.append((fn, a, kw))):
         out, kv, km, stats_q, stats_k, s_inv = triton_kernels.forward(q, k, v, scale, p, heads,
                                                                       mask)
         triton_kernels.backward(out, q, k, v, scale, s_inv, kv, km, stats_q, stats_k, p, heads,
                                 mask)
-        triton_conv_kernels.conv_add(v, weight, bias, out, (16, 24))
-        triton_conv_kernels.conv_add(out, weight, None, None, (16, 24), flip=True)
-        triton_conv_kernels.weight_grad(out, v, 5, (16, 24))
+        triton_conv_kernels.conv_add(v, weight, bias, out, (16, 24), extra=lepe)
+        triton_conv_kernels.conv_add(out, weight, None, None, (16, 24), flip=True, extra=lepe)
+        triton_conv_kernels.weight_grad(out, v, weight, bias, (16, 24), lepe)
     return calls
 
 

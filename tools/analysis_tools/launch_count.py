@@ -142,8 +142,8 @@ def counted_launches() -> Iterator[Dict[str, Callable]]:
     from flatten_mm.models.ops import triton_backend, triton_conv
     impls = {'flatten_mm::triton_focused_attention': triton_backend._forward_impl,
              'flatten_mm::triton_focused_attention_backward': triton_backend._backward_impl,
-             'flatten_mm::triton_conv_add': triton_conv._add_impl,
-             'flatten_mm::triton_conv_add_backward': triton_conv._backward_impl}
+             'flatten_mm::triton_local_conv_add': triton_conv._add_impl,
+             'flatten_mm::triton_local_conv_add_backward': triton_conv._backward_impl}
     launches = []
 
     def record(name: str, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> None:

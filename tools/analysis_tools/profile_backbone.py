@@ -39,7 +39,7 @@ from benchmark_backbone import Case, check_model_names, parse_size  # noqa: E402
 FAMILIES = [
     ('attention', ('scaled_dot_product', '_flash_attention', '_efficient_attention', 'softmax',
                    'flatten_mm::triton_focused_attention')),
-    ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),  # flatten_mm::triton_conv_add too
+    ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),  # flatten_mm::triton_local_conv_add too
     ('matmul', ('addmm', 'aten::mm', 'bmm', 'matmul', 'linear', 'einsum', 'baddbmm', 'dot',
                 'vecdot')),
     ('norm', ('layer_norm', 'batch_norm', 'group_norm', 'vector_norm', 'linalg_vector_norm')),

@@ -173,10 +173,45 @@ def depthwise_conv_op(x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
     return out if bias is None else out + autocast_input(bias)
 
 
+Extra = Optional[Tuple[Tensor, Optional[Tensor]]]  # a second kernel (C, 1, K', K') and its bias
+
+
+def padded_to(weight: Tensor, k: int) -> Tensor:
+    """A (C, 1, K, K) kernel centred in k x k zeros; itself, not a copy, if
+    K == k (a pad by nothing is still a copy, a kernel launch on a GPU): not to
+    be written into."""
+    pad = (k - weight.shape[-1]) // 2
+    return F.pad(weight, [pad] * 4) if pad else weight
+
+
+def merged_kernel(C: int, weight: Tensor, bias: Optional[Tensor], extra: Extra = None
+                  ) -> Tuple[Tensor, Optional[Tensor]]:
+    """One (C, 1, K, K) depth-wise kernel and (C,) bias from a local term's
+    parts: ``weight`` (C', 1, K1, K1) and ``bias`` (C',) serve each of the C / C'
+    groups of channels (one head's DWC for every head; C' = C: one kernel per
+    channel), plus ``extra`` (weight (C, 1, K2, K2), bias: CSwin's LePE).
+    Both are centred, zero-padded convs, so their kernels add, the smaller
+    zero-padded to K = max(K1, K2). The parts themselves where they are one
+    kernel over C channels."""
+    if weight.shape[0] != C:
+        groups = C // weight.shape[0]
+        weight = weight.repeat(groups, 1, 1, 1)
+        bias = None if bias is None else bias.repeat(groups)
+    if extra is None:
+        return weight, bias
+    k = max(weight.shape[-1], extra[0].shape[-1])
+    weight = padded_to(weight, k) + padded_to(extra[0], k)
+    if extra[1] is not None:
+        bias = extra[1] if bias is None else bias + extra[1]
+    return weight, bias
+
+
 def torch_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
-                   bias: Optional[Tensor], inplace: bool = True) -> Tensor:
-    """:func:`depthwise_conv_add` by PyTorch ops: the conv on a channels-last view
-    of x, added to out's grid rows in place (or not)."""
+                   bias: Optional[Tensor], extra: Extra = None, inplace: bool = True) -> Tensor:
+    """:func:`depthwise_conv_add` by PyTorch ops: the parts merged into one
+    kernel (:func:`merged_kernel`), the conv on a channels-last view of x,
+    added to out's grid rows in place (or not)."""
+    weight, bias = merged_kernel(x.shape[-1], weight, bias, extra)
     local = depthwise_conv_tokens(x, hw_shape, weight, bias)
     P = out.shape[1] - local.shape[1]
     if not inplace:
@@ -186,17 +221,24 @@ def torch_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight: Te
 
 
 def depthwise_conv_add(out: Tensor, x: Tensor, hw_shape: Tuple[int, int], weight: Tensor,
-                       bias: Optional[Tensor]) -> Tensor:
-    """``out + conv2d(x, weight, bias, padding=K // 2, groups=C)`` for tokens x
-    (B, H*W, C) on the (H, W) grid: the attention output plus DWC(V). ``out``
-    may hold P prefix tokens first, (B, P + H*W, C): they get no conv term.
+                       bias: Optional[Tensor], extra: Extra = None) -> Tensor:
+    """``out + conv2d(x, w, b, padding=K // 2, groups=C)`` for tokens x (B, H*W, C)
+    on the (H, W) grid: the attention output plus DWC(V). ``out`` may hold P
+    prefix tokens first, (B, P + H*W, C): they get no conv term. The kernel
+    (w, b) is given as parts (:func:`merged_kernel`): ``weight`` (C', 1, K, K)
+    and ``bias`` (C',) for every group of C' channels (C' = C, or a head's
+    width), plus an optional ``extra`` (weight, bias) over all C channels
+    (CSwin's LePE). A fused backend reads the parts where they are; the
+    PyTorch form merges them first (a repeat, a pad and two adds a call, and
+    their backward).
 
     Op ``'conv_add'`` of the backend switch (:func:`.dispatch.set_backend`): a
     backend's fused form where it has one (``'triton'``, registered with the
-    tensors ``'auto'`` sends it: ``supports(out, x, weight, bias)``), else
-    :func:`torch_conv_add`, adding in place into ``out``.
+    tensors ``'auto'`` sends it: ``supports(out, x, weight, bias, extra)``),
+    else :func:`torch_conv_add`, adding in place into ``out``.
     """
-    return backend_of('conv_add', out, x, weight, bias)(out, x, hw_shape, weight, bias)
+    return backend_of('conv_add', out, x, weight, bias, extra)(out, x, hw_shape, weight, bias,
+                                                               extra)
 
 
 register_backend('torch', torch_conv_add, op='conv_add')

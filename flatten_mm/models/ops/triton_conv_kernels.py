@@ -45,12 +45,44 @@ def _rows_program(R, L, W, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, bloc
 
 
 @triton.jit
-def _conv_add_kernel(x_ptr, w_ptr, bias_ptr, base_ptr, out_ptr, R, L, H, W, C,
-                     stride_xb, stride_xn, stride_bb, stride_bn, stride_ob, stride_on,
-                     K: tl.constexpr, FLIP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_BASE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _centred_tap(t, K: tl.constexpr, KS: tl.constexpr):
+    """Where tap t of a K x K kernel falls in a centred KS x KS one (KS <= K):
+    its index there, and whether it falls inside (t itself where KS = K: no
+    index arithmetic, registers the conv's loop keeps for its taps)."""
+    if KS == K:
+        return t, t < K * K
+    o = (K - KS) // 2
+    i = t // K - o
+    j = t % K - o
+    return i * KS + j, (i >= 0) & (i < KS) & (j >= 0) & (j < KS)
+
+
+@triton.jit
+def _kernel_tap(w_ptr, e_ptr, chans, cmask, wc, t, K: tl.constexpr, K1: tl.constexpr,
+                K2: tl.constexpr, HAS_EXTRA: tl.constexpr):
+    """fp32 tap t (of K x K) of each channel's kernel, summed from its parts
+    (:func:`.conv.merged_kernel`): channel c's group's in w (C' = ``wc``
+    channels, K1 x K1: c % wc), plus with HAS_EXTRA its own in e (K2 x K2),
+    each centred (0 where t falls outside it)."""
+    idx, inside = _centred_tap(t, K, K1)
+    w = tl.load(w_ptr + (chans % wc) * (K1 * K1) + idx, mask=cmask & inside,
+                other=0.0).to(tl.float32)
+    if HAS_EXTRA:
+        idx2, inside2 = _centred_tap(t, K, K2)
+        w += tl.load(e_ptr + chans * (K2 * K2) + idx2, mask=cmask & inside2,
+                     other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _conv_add_kernel(x_ptr, w_ptr, bias_ptr, e_ptr, ebias_ptr, base_ptr, out_ptr, R, L, H, W,
+                     C, wc, stride_xb, stride_xn, stride_bb, stride_bn, stride_ob, stride_on,
+                     K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, FLIP: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_BASE: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """out = base + bias + conv(x) for a block of rows and channels, summed in
-    fp32 and rounded once. FLIP takes the kernel rotated by 180 degrees: the
+    fp32 and rounded once; the kernel and bias read from their parts
+    (:func:`_kernel_tap`). FLIP takes the kernel rotated by 180 degrees: the
     conv's input gradient is the flipped conv of the output gradient."""
     rmask, b, pix, y, xw, chans, cmask = _rows_program(R, L, W, C, BLOCK_P, BLOCK_C,
                                                        tl.program_id(0))
@@ -59,12 +91,15 @@ def _conv_add_kernel(x_ptr, w_ptr, bias_ptr, base_ptr, out_ptr, R, L, H, W, C,
         i = t // K
         j = t % K
         tap = K * K - 1 - t if FLIP else t
-        w = tl.load(w_ptr + chans * (K * K) + tap, mask=cmask, other=0.0).to(tl.float32)
+        w = _kernel_tap(w_ptr, e_ptr, chans, cmask, wc, tap, K, K1, K2, HAS_EXTRA)
         x = _tap(x_ptr, b, y, xw, rmask, chans, cmask, i - K // 2, j - K // 2, H, W,
                  stride_xb, stride_xn)
         acc += x * w[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + chans, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + chans % wc, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_EXTRA:
+            bias += tl.load(ebias_ptr + chans, mask=cmask, other=0.0).to(tl.float32)
+        acc += bias[None, :]
     mask = rmask[:, None] & cmask[None, :]
     if HAS_BASE:
         base = base_ptr + (b.to(tl.int64) * stride_bb + pix.to(tl.int64) * stride_bn)[:, None]
@@ -96,6 +131,37 @@ def _conv_weight_grad_kernel(g_ptr, x_ptr, part_ptr, R, L, H, W, C, stride_gb, s
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ptrs = part_ptr + chunk * (K * K + 1) * C + taps[:, None] * C + chans[None, :]
     tl.store(ptrs, acc, mask=(taps <= K * K)[:, None] & (chans < C)[None, :])
+
+
+@triton.jit
+def _conv_grad_sum_kernel(part_ptr, w_ptr, b_ptr, e_ptr, eb_ptr, chunks, C, wc,
+                          K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                          HAS_EXTRA: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr):
+    """The gradients of the kernel's parts at tap t = program_id(0) (t = K * K:
+    the biases) from the weight-gradient sweep's (chunks, K * K + 1, C) partials:
+    summed over the chunks in order (deterministic, unlike atomics), then for
+    the shared part w over its C / wc groups of channels (a (BG, BW) tile:
+    group by channel), for the extra part e per channel; each where t falls
+    inside its kernel. Written in the parts' dtypes."""
+    t = tl.program_id(0)
+    grp = tl.arange(0, BG)
+    col = tl.arange(0, BW)
+    chans = grp[:, None] * wc + col[None, :]
+    mask = (grp < C // wc)[:, None] & (col < wc)[None, :]
+    acc = tl.zeros((BG, BW), dtype=tl.float32)
+    for c in range(chunks):
+        acc += tl.load(part_ptr + (c * (K * K + 1) + t) * C + chans, mask=mask, other=0.0)
+    shared = tl.sum(acc, axis=0)
+    is_bias = t == K * K
+    idx, inside = _centred_tap(t, K, K1)
+    tl.store(w_ptr + col * (K1 * K1) + idx, shared.to(w_ptr.dtype.element_ty),
+             mask=(col < wc) & inside & ~is_bias)
+    tl.store(b_ptr + col, shared.to(b_ptr.dtype.element_ty), mask=(col < wc) & is_bias)
+    if HAS_EXTRA:
+        idx2, inside2 = _centred_tap(t, K, K2)
+        tl.store(e_ptr + chans * (K2 * K2) + idx2, acc.to(e_ptr.dtype.element_ty),
+                 mask=mask & inside2 & ~is_bias)
+        tl.store(eb_ptr + chans, acc.to(eb_ptr.dtype.element_ty), mask=mask & is_bias)
 
 
 # ---------------------------------------------------------------- launchers
@@ -132,38 +198,62 @@ def conv_plan(rows: int, C: int, sms: int = 132) -> ConvPlan:
     return ConvPlan(block_p, block_c, per, triton.cdiv(triton.cdiv(rows, block_p), per))
 
 
+def _parts(weight: Tensor, extra: Optional[Tuple[Tensor, Tensor]], C: int) -> dict:
+    """The compile-time sizes of a kernel given as parts (:func:`_kernel_tap`):
+    K the merged kernel's, K1 the shared part's, K2 the extra's (K1 without one)."""
+    K1 = weight.shape[-1]
+    K2 = K1 if extra is None else extra[0].shape[-1]
+    return dict(K=max(K1, K2), K1=K1, K2=K2, HAS_EXTRA=extra is not None)
+
+
 def conv_add(x: Tensor, weight: Tensor, bias: Optional[Tensor], base: Optional[Tensor],
              hw: Tuple[int, int], flip: bool = False, dtype: Optional[torch.dtype] = None,
-             out: Optional[Tensor] = None) -> Tensor:
+             out: Optional[Tensor] = None, extra: Optional[Tuple[Tensor, Tensor]] = None
+             ) -> Tensor:
     """(B, L, C) ``base + conv(x) + bias`` (each term optional but x) in ``dtype``
     (base's, else x's), into ``out`` if given (any batch and token strides);
-    ``flip`` rotates the kernel (the input gradient)."""
+    ``flip`` rotates the kernel (the input gradient). The kernel in parts
+    (:func:`.conv.merged_kernel`): ``weight`` (C', 1, K1, K1) and ``bias`` (C',)
+    shared by each group of C' channels, plus ``extra`` (weight (C, 1, K2,
+    K2), bias (C,)) if given; all contiguous."""
     B, L, C = x.shape
-    K = weight.shape[-1]
     if out is None:
         out = torch.empty((B, L, C), dtype=dtype or (base if base is not None else x).dtype,
                           device=x.device)
     pl = conv_plan(B * L, C, sm_count(x.device))
     b_ = base if base is not None else out
+    e, eb = extra if extra is not None else (weight, weight)
     grid = (triton.cdiv(B * L, pl.block_p), triton.cdiv(C, pl.block_c))
     _conv_add_kernel[grid](
-        x, weight, bias if bias is not None else weight, b_, out, B * L, L, hw[0], hw[1], C,
-        x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), out.stride(0), out.stride(1),
-        K=K, FLIP=flip, HAS_BIAS=bias is not None, HAS_BASE=base is not None,
-        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS, **COMPILE_OPTIONS)
+        x, weight, bias if bias is not None else weight, e, eb, b_, out, B * L, L, hw[0], hw[1],
+        C, weight.shape[0], x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), out.stride(0),
+        out.stride(1), FLIP=flip, HAS_BIAS=bias is not None, HAS_BASE=base is not None,
+        BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS,
+        **_parts(weight, extra, C), **COMPILE_OPTIONS)
     return out
 
 
-def weight_grad(g: Tensor, x: Tensor, K: int, hw: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
-    """fp32 gradients of a (C, 1, K, K) weight and a (C,) bias, given the output
-    gradient g and the input x, both (B, L, C)."""
+def weight_grad(g: Tensor, x: Tensor, weight: Tensor, bias: Tensor, hw: Tuple[int, int],
+                extra: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, ...]:
+    """Gradients of the kernel's parts (:func:`conv_add`'s ``weight``, ``bias``
+    and, with ``extra``, its two), each in its part's dtype and shape, given the
+    output gradient g and the input x, both (B, L, C): one sweep over the rows
+    writing each chunk's fp32 partials of the merged kernel and bias, then one
+    launch that sums them and splits the sum into the parts."""
     B, L, C = x.shape
+    sizes = _parts(weight, extra, C)
+    K = sizes['K']
     pl = conv_plan(B * L, C, sm_count(x.device))
     part = torch.empty((pl.chunks, K * K + 1, C), dtype=torch.float32, device=x.device)
     _conv_weight_grad_kernel[(pl.chunks, triton.cdiv(C, pl.block_c))](
         g, x, part, B * L, L, hw[0], hw[1], C, g.stride(0), g.stride(1), x.stride(0),
         x.stride(1), pl.blocks_per_prog, K=K, TAPS=triton.next_power_of_2(K * K + 1),
         BLOCK_P=pl.block_p, BLOCK_C=pl.block_c, num_warps=NUM_WARPS, **COMPILE_OPTIONS)
-    total = part.sum(0)  # the chunks' partials added here: deterministic, unlike atomics
-    # each its own memory: the op's outputs alias nothing and start at offset 0
-    return total[:K * K].t().contiguous().view(C, 1, K, K), total[K * K].clone()
+    grads = [torch.empty_like(t) for t in (weight, bias, *(extra or ()))]
+    e, eb = grads[2:] if extra is not None else grads[:2]
+    wc = weight.shape[0]
+    _conv_grad_sum_kernel[(K * K + 1, )](
+        part, grads[0], grads[1], e, eb, pl.chunks, C, wc,
+        BG=triton.next_power_of_2(C // wc), BW=triton.next_power_of_2(wc), num_warps=NUM_WARPS,
+        **sizes, **COMPILE_OPTIONS)
+    return tuple(grads)

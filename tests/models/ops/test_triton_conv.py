@@ -110,6 +110,70 @@ def test_torch_path_in_place_and_choice(monkeypatch):
     assert got is not out and torch.allclose(got, want, atol=1e-5)
 
 
+def lepe_part(C, K=3, device=DEVICE):
+    """A LePE-like extra part: (C, 1, K, K) weight and (C,) bias."""
+    return torch.randn(C, 1, K, K, device=device) / K, torch.randn(C, device=device)
+
+
+@pytest.mark.parametrize('C,wc,K1,K2,dtype', [
+    (24, 8, 5, 3, torch.float32),  # CSwin: a head's 5 x 5 DWC for 3 heads, plus LePE
+    (32, 16, 5, None, torch.float32),  # Swin / PVT: the DWC of 2 heads, no LePE
+    (16, 8, 1, 3, torch.float32),  # the DWC smaller than LePE's kernel
+    (16, 16, 3, 3, torch.float32),  # one head, kernels of one size
+    (48, 16, 5, 3, torch.bfloat16),  # channels across blocks of 16, half precision
+])
+def test_kernel_parts_match_the_merged_conv(C, wc, K1, K2, dtype):
+    """The kernel in parts (shared by the heads, plus an extra per channel), read
+    where they are: output and every part's gradient equal the merged kernel's
+    conv (:func:`merged_kernel`) in float64; each gradient in its part's shape."""
+    from flatten_mm.models.ops.conv import merged_kernel
+    out, x, _, _, g = make(3, (5, 7), C, 1, dtype)
+    parts = [torch.randn(wc, 1, K1, K1, device=DEVICE) / K1, torch.randn(wc, device=DEVICE)]
+    if K2:
+        parts += list(lepe_part(C, K2))
+
+    def ours(o, v, w, b, *e):
+        return depthwise_conv_add(o, v, (5, 7), w, b, tuple(e) or None)
+
+    def ref(o, v, w, b, *e):
+        return reference(o, v, (5, 7), *merged_kernel(C, w, b, tuple(e) or None))
+    with use_backend('triton'):
+        got = outputs_and_grads(ours, (out, x, *parts), g)
+    want = outputs_and_grads(ref, [t.double() for t in (out, x, *parts)], g)
+    names = NAMES + ('extra weight', 'extra bias')
+    for name, a, r, t in zip(names, got, want, (out, out, x, *parts)):
+        assert a.shape == t.shape, name
+        tol = TOL[torch.float32] if name.endswith(('weight', 'bias')) else TOL[dtype]
+        assert rel_err(a, r) < tol, f'{name}: {rel_err(a, r):.2e}'
+
+
+def test_the_layers_local_term_is_one_op_each_way():
+    """A CSwin layer's DWC + LePE on the fused path: the forward dispatches the
+    op alone and the backward its backward op alone, where the merged kernel
+    took a repeat, a pad and two adds forward and their backward (sums over the
+    heads, the pad's slice) each step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from flatten_mm.models.designs import local_kernel
+    layer = FocusedLinearAttention(32, 2, lepe=True).to(DEVICE)
+    out, x, _, _, g = make(2, (5, 7), 32, 1, torch.float32)
+    x.requires_grad_()
+    ops = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with use_backend('triton'), Log():
+        y = depthwise_conv_add(out, x, (5, 7), *local_kernel(layer))
+    assert ops == ['triton_local_conv_add'], ops
+    ops.clear()
+    with Log():
+        y.backward(g)
+    # (and the leaves' detach as their .grad is set: no kernel)
+    assert [op for op in ops if op != 'detach'] == ['triton_local_conv_add_backward'], ops
+    assert layer.dwc.weight.grad.shape == (16, 1, 5, 5) and layer.get_v.bias.grad.shape == (32, )
+
+
 def test_clear_errors():
     out, x, weight, bias, _ = make(1, (4, 4), 16, 5, torch.float32)
     with use_backend('triton'):
@@ -119,6 +183,13 @@ def test_clear_errors():
             depthwise_conv_add(out[:, 1:], x, (4, 4), weight, bias)
         with pytest.raises(ValueError, match=r'K odd, got \(16, 1, 4, 4\)'):
             depthwise_conv_add(out, x, (4, 4), weight[..., :4, :4], bias)
+        with pytest.raises(ValueError, match=r"C' a divisor of C=16 and K odd, got \(6, 1, 5"):
+            depthwise_conv_add(out, x, (4, 4), weight[:6], bias[:6])
+        with pytest.raises(ValueError, match=r"extra weight must .*C=16 .*got \(8, 1, 3, 3\)"):
+            depthwise_conv_add(out, x, (4, 4), weight, bias, (weight[:8, :, :3, :3], bias[:8]))
+        with pytest.raises(ValueError, match=r"extra weight needs a bias of shape \(16,\), got "
+                                             r"\(8,\)"):
+            depthwise_conv_add(out, x, (4, 4), weight, bias, (weight[..., :3, :3], bias[:8]))
         with pytest.raises(ValueError, match=r'bias of shape \(16,\), got None'):
             depthwise_conv_add(out, x, (4, 4), weight, None)
         with pytest.raises(ValueError, match='got out torch.float64'):
@@ -170,14 +241,18 @@ def test_layer_under_bf16_autocast():
         assert rel_err(a, b.double()) < 3e-2, name
 
 
-def test_opcheck():
-    """Schema, fake implementation, autograd registration and AOT dispatch of both ops."""
+@pytest.mark.parametrize('lepe', [False, True])
+def test_opcheck(lepe):
+    """Schema, fake implementation, autograd registration and AOT dispatch of both
+    ops, the kernel one part (a head's, shared) or two (and LePE's)."""
     out, x, weight, bias, g = make(2, (5, 3), 16, 3, torch.float32)
-    args = [out.requires_grad_(), x.requires_grad_(), weight.requires_grad_(),
-            bias.requires_grad_(), 5, 3]
-    torch.library.opcheck(torch.ops.flatten_mm.triton_conv_add.default, args)
-    torch.library.opcheck(torch.ops.flatten_mm.triton_conv_add_backward.default,
-                          [g, x.detach(), weight.detach(), bias.detach(), 5, 3])
+    parts = [weight[:8], bias[:8], *(lepe_part(16) if lepe else (None, None))]
+    parts = [t if t is None else t.detach().requires_grad_() for t in parts]
+    args = [out.requires_grad_(), x.requires_grad_(), *parts, 5, 3]
+    torch.library.opcheck(torch.ops.flatten_mm.triton_local_conv_add.default, args)
+    torch.library.opcheck(torch.ops.flatten_mm.triton_local_conv_add_backward.default,
+                          [g, x.detach()] + [t if t is None else t.detach() for t in parts] +
+                          [5, 3])
 
 
 def test_compile_fullgraph_one_op_each():
@@ -201,8 +276,8 @@ def test_compile_fullgraph_one_op_each():
                                  backend=aot_autograd(fw_compiler=record, bw_compiler=record))
         got = outputs_and_grads(compiled, tensors[:4], tensors[4])
         want = outputs_and_grads(f, tensors[:4], tensors[4])
-    assert any('flatten_mm.triton_conv_add.default' in s for s in graphs)
-    assert any('flatten_mm.triton_conv_add_backward.default' in s for s in graphs)
+    assert any('flatten_mm.triton_local_conv_add.default' in s for s in graphs)
+    assert any('flatten_mm.triton_local_conv_add_backward.default' in s for s in graphs)
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, msg=name)
 
@@ -221,12 +296,13 @@ def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
         warnings.simplefilter('error')
         got = tc.triton_conv_add(out, x, (5, 7), weight, bias)
         tc.triton_conv_add(out, x, (5, 7), weight, bias)
-    assert tb._AGREED == {('conv', x.device, torch.float32, torch.float32, 5, 24, False)}
+    assert tb._AGREED == {('conv', x.device, torch.float32, torch.float32, 24, False,
+                           ((24, 1, 5, 5), (24, )))}
     assert torch.allclose(got, want, atol=1e-5)
     kernels = tc.kernels()
     real = kernels.conv_add
     monkeypatch.setattr(kernels, 'conv_add', lambda *a, **kw: real(*a, **kw) * 1.5)
-    with pytest.warns(RuntimeWarning, match=r'conv kernels disagree .*3x3, C=24.* result'):
+    with pytest.warns(RuntimeWarning, match=r'conv kernels disagree .*3x3 kernel, C=24.* result'):
         got = tc.triton_conv_add(out.clone(), x, (5, 7), weight[..., 1:4, 1:4], bias)
     assert torch.allclose(got, reference(out, x, (5, 7), weight[..., 1:4, 1:4], bias),
                           atol=1e-5) and not tb._KERNELS['importable']
