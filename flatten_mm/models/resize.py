@@ -82,32 +82,28 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     return out.reshape(tokens.shape[0], dst[0] * dst[1], tokens.shape[-1])
 
 
-def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor],
-                inplace: bool = False) -> Tensor:
-    """``x + R @ G`` for ``parts = resize_parts(...)`` and x (B, H*W, C), in
-    place or not: the resized tokens themselves are never made (one pass over
-    x instead of three; two where x is promoted). Out of place, the sum has
-    the dtype of ``x + resized``, autocast or not: a half x plus an fp32 embedding is fp32
-    (the residual stream stays fp32 under autocast, as in the official
-    models), and autocast does not make the fused ``baddbmm`` half. In place,
-    it keeps x's dtype, and writes
-    into x only where autograd records nothing: an in-place op on a view
-    makes autograd's backward clone the whole gradient and copy it back."""
+def add_resized(x: Tensor, parts: Tuple[Optional[Tensor], Tensor]) -> Tensor:
+    """``x + R @ G`` for ``parts = resize_parts(...)`` and x (B, H*W, C), a new
+    tensor: the resized tokens themselves are never made (one pass over x
+    instead of three; two where x is promoted, the sum then made in place in
+    the promoted copy). The sum has the dtype of ``x + resized``, autocast or
+    not: a half x plus an fp32 embedding is fp32 (the residual stream stays
+    fp32 under autocast, as in the official models), and autocast does not
+    make the fused ``baddbmm`` half. (Into a block of a tensor in place:
+    :func:`add_resized_to_block_`.)"""
     rows, cols = parts
     B = x.shape[0]
-    dtype = x.dtype if inplace else torch.promote_types(x.dtype, cols.dtype)
+    dtype = torch.promote_types(x.dtype, cols.dtype)
     cols = cols.to(dtype)
     x3 = x.view(B, -1, cols.shape[-1])
-    if x3.dtype != dtype:  # promoted: a new tensor, which the sum can go into
-        x3, inplace = x3.to(dtype), True
-    elif torch.is_grad_enabled() and (x.requires_grad or cols.requires_grad):
-        inplace = False
+    promoted = x3.dtype != dtype  # then a new tensor, which the sum can go into
+    x3 = x3.to(dtype)
     with autocast_off(x.device.type):
         if rows is None:
-            out = x3.add_(cols) if inplace else x3 + cols
+            out = x3.add_(cols) if promoted else x3 + cols
         else:
             args = (rows.to(dtype).expand(B, -1, -1), cols.expand(B, -1, -1))
-            out = x3.baddbmm_(*args) if inplace else torch.baddbmm(x3, *args)
+            out = x3.baddbmm_(*args) if promoted else torch.baddbmm(x3, *args)
     return out.view(x.shape)
 
 
