@@ -425,10 +425,11 @@ def _agrees_on_first_use(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: floa
                          key_mask: Optional[Tensor]) -> bool:
     """:func:`agrees_once` for the attention kernels: a configuration is the
     device, dtype, head width, one head or several, whether a key mask is given,
-    and for fp32 whether the dots are exact (other kernels: their precision and
-    token blocks, :func:`.triton_kernels.plan`)."""
+    for fp32 whether the dots are exact (other kernels: their precision and
+    token blocks, :func:`.triton_kernels.plan`), and the dtype of the scale the
+    kernels read."""
     key = ('attention', q.device, q.dtype, q.shape[-1] // h, h == 1, key_mask is not None,
-           exact_fp32(q.dtype))
+           exact_fp32(q.dtype), scale.dtype)
     if settled(key):  # before the key count's sync
         return True
     keys = k.shape[1] if key_mask is None else int(key_mask[0].sum())  # one sync, until agreed

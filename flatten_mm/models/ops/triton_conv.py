@@ -140,10 +140,10 @@ def check_kernel_part(name: str, weight: Tensor, bias: Optional[Tensor], C: int,
                       shared: bool) -> None:
     """ValueError unless ``weight`` is (C', 1, K, K) with K odd, C' = C or (if
     ``shared``) a divisor of C, and ``bias`` (C',)."""
-    Cw, K = weight.shape[0], weight.shape[-1]
-    fits = C % Cw == 0 if shared else Cw == C
-    if weight.dim() != 4 or weight.shape[1:] != (1, K, K) or K % 2 == 0 or not fits:
-        allowed = f'a divisor of C={C}' if shared else f'C={C}'
+    Cw, K = (weight.shape[0], weight.shape[-1]) if weight.dim() == 4 else (0, 0)
+    fits = Cw > 0 and (C % Cw == 0 if shared else Cw == C)
+    if not fits or weight.shape[1:] != (1, K, K) or K % 2 == 0:
+        allowed = f'a divisor of C={C}' if shared else f'= C = {C}'
         raise ValueError(f"the 'triton' depth-wise conv's {name} must be (C', 1, K, K) with "
                          f"C' {allowed} and K odd, got {tuple(weight.shape)}")
     if bias is None or bias.shape != (Cw, ):
@@ -166,14 +166,14 @@ def triton_conv_add(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
 def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                          bias: Tensor, extra: Extra) -> bool:
     """:func:`.triton_backend.agrees_once` for the fused conv: a configuration is
-    the device, the dtypes of x and the weight, the parts' shapes, C (which sets
-    the channel blocks) and whether out has prefix rows; the probe takes enough
+    the device, x's dtype, the parts' shapes and dtypes, C (which sets the
+    channel blocks) and whether out has prefix rows; the probe takes enough
     images for a row block to span two of them (Swin's 49-token windows), at
     least one."""
     B, L, C = x.shape
     parts = (weight, bias, *(extra or ()))
-    key = ('conv', x.device, x.dtype, weight.dtype, C, out.shape[1] > L,  # prefix rows
-           tuple(tuple(t.shape) for t in parts))
+    key = ('conv', x.device, x.dtype, C, out.shape[1] > L,  # prefix rows
+           tuple((tuple(t.shape), t.dtype) for t in parts))
     if settled(key):  # (and under compile no kernels import traced: a guard on it
         return True   # recompiled every graph once the kernels ran)
     n = min(B, -(-2 * kernels().conv_plan(1, C).block_p // L))

@@ -353,7 +353,8 @@ def _row_sum_over_heads(gc_ptr, b, tok, L, h, BH: tl.constexpr):
 @triton.jit
 def _query_grad_kernel(q_ptr, g_ptr, stats_ptr, s_inv_ptr, scale_ptr, kv_ptr, km_ptr, gc_ptr,
                        dq_ptr, ds_ptr, dkv_ptr, dkm_ptr, N, h, D, stride_qb, stride_qn, stride_gb,
-                       stride_gn, stride_db, stride_dn, p, blocks_per_prog, WHOLE_ROWS: tl.constexpr,
+                       stride_gn, stride_db, stride_dn, p, blocks_per_prog,
+                       WHOLE_ROWS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 2 over one chunk of queries and one head: dq, and the chunk's
@@ -446,9 +447,9 @@ def _key_value_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, dkv_ptr
 def _key_grad_kernel(k_ptr, v_ptr, mask_ptr, stats_ptr, s_inv_ptr, scale_ptr, dkv_ptr, dkm_ptr,
                      inv_count_ptr, inv_n, gc_ptr, dk_ptr, ds_ptr, dv_ptr, n, h, D, stride_kb,
                      stride_kn, stride_vb, stride_vn, stride_mb, stride_db, stride_dn, stride_eb,
-                     stride_en, p, blocks_per_prog, HAS_MASK: tl.constexpr, WHOLE_ROWS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+                     stride_en, p, blocks_per_prog, HAS_MASK: tl.constexpr,
+                     WHOLE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr,
+                     BH: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 4 over one chunk of keys and one head: dk (u's gradient kappa Bm,
     c's the row sum over heads of gc), and the chunk's partial gradient of the raw scale.
     With WHOLE_ROWS (one head) c's gradient is the row's own share, so this pass

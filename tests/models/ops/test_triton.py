@@ -532,12 +532,15 @@ def test_first_use_is_checked_against_the_torch_backend(monkeypatch):
         tb.triton_backend(q, k, v, scale, 3.0, 4, None)
         tb.triton_backend(q, k, v, scale, 3.0, 4, None)
     assert len(probes) == 6 and ('attention', q.device, q.dtype, 16, False, False, True,
-                                 'forward') in tb._AGREED
+                                 torch.float32, 'forward') in tb._AGREED
     tb.triton_backend(q, k, v, scale, 3.0, 4, None)
     assert len(probes) == 8 and len(tb._AGREED) == 4
     with torch.inference_mode():
         tb.triton_backend(q, k, v, scale, 3.0, 4, None)
     assert len(probes) == 8
+    # the kernels read the raw scale: a half one (a model cast to bf16) is checked apart
+    tb.triton_backend(q, k, v, scale.bfloat16(), 3.0, 4, None)
+    assert len(probes) == 10 and len(tb._AGREED) == 5
 
 
 def test_disagreeing_kernels_warn_and_fall_back(monkeypatch):
@@ -724,10 +727,11 @@ def test_the_kernels_make_the_inverse_scale_and_its_gradient_as_torch():
     assert torch.allclose(grad.double(), ref_grad, rtol=2e-6, atol=0), (grad, ref_grad)
 
 
-@pytest.mark.parametrize('value', [-14.0, 0.0, 21.0])
+@pytest.mark.parametrize('value', [-18.0, 0.0, 21.0])
 def test_scale_gradient_on_either_side_of_softplus_threshold(value):
     """The scale's gradient, taken on through softplus in the kernels, equals the
-    reference's with the scale's channels at, below and above softplus's threshold."""
+    reference's with the scale's channels around -18 (exp(x) below 1 + x's
+    rounding: the log1p branch), around 0, and past softplus's threshold (20)."""
     q, k, v, scale, mask, g = inputs(2, 37, 29, 32, torch.float32, True)
     scale = scale + value
     got = run('triton', q, k, v, scale, 3.0, 2, mask, g)

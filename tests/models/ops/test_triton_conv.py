@@ -147,6 +147,32 @@ def test_kernel_parts_match_the_merged_conv(C, wc, K1, K2, dtype):
         assert rel_err(a, r) < tol, f'{name}: {rel_err(a, r):.2e}'
 
 
+@pytest.mark.parametrize('C,wc', [(48, 16), (24, 8)])  # 3 groups: a padded group row
+def test_weight_gradient_sums_chunks_in_blocks(monkeypatch, C, wc):
+    """The chunk sum loads blocks of chunks (a GPU's hundreds of chunks in a
+    few loads): with tiles so small that it takes several blocks, the last one
+    partly past the chunks, every part's gradient is still the merged conv's."""
+    from flatten_mm.models.ops.conv import merged_kernel
+    ks = tc.kernels()
+    monkeypatch.setattr(ks, 'GRAD_SUM_TILE', 2 * triton_pow2(C))
+    out, x, _, _, g = make(5, (6, 7), C, 1, torch.float32)
+    parts = [torch.randn(wc, 1, 5, 5, device=DEVICE) / 5, torch.randn(wc, device=DEVICE),
+             *lepe_part(C)]
+    assert ks.conv_plan(5 * 42, C).chunks >= 5  # blocks of 2 chunks: the last one half past
+    with use_backend('triton'):
+        got = outputs_and_grads(lambda o, v, w, b, e, eb: depthwise_conv_add(
+            o, v, (6, 7), w, b, (e, eb)), (out, x, *parts), g)
+    want = outputs_and_grads(lambda o, v, w, b, e, eb: reference(
+        o, v, (6, 7), *merged_kernel(C, w, b, (e, eb))), [t.double() for t in (out, x, *parts)], g)
+    for name, a, r in zip(NAMES + ('extra weight', 'extra bias'), got, want):
+        assert rel_err(a, r) < TOL[torch.float32], f'{name}: {rel_err(a, r):.2e}'
+
+
+def triton_pow2(n):
+    """The next power of two >= n, as the launcher pads channels."""
+    return 1 << (n - 1).bit_length()
+
+
 def test_the_layers_local_term_is_one_op_each_way():
     """A CSwin layer's DWC + LePE on the fused path: the forward dispatches the
     op alone and the backward its backward op alone, where the merged kernel
@@ -185,8 +211,13 @@ def test_clear_errors():
             depthwise_conv_add(out, x, (4, 4), weight[..., :4, :4], bias)
         with pytest.raises(ValueError, match=r"C' a divisor of C=16 and K odd, got \(6, 1, 5"):
             depthwise_conv_add(out, x, (4, 4), weight[:6], bias[:6])
-        with pytest.raises(ValueError, match=r"extra weight must .*C=16 .*got \(8, 1, 3, 3\)"):
+        with pytest.raises(ValueError,
+                           match=r"extra weight must .*C' = C = 16 .*got \(8, 1, 3, 3\)"):
             depthwise_conv_add(out, x, (4, 4), weight, bias, (weight[:8, :, :3, :3], bias[:8]))
+        with pytest.raises(ValueError, match=r"C' a divisor of C=16 and K odd, got \(0, 1, 5, 5\)"):
+            depthwise_conv_add(out, x, (4, 4), weight[:0], bias[:0])
+        with pytest.raises(ValueError, match=r"C' a divisor of C=16 and K odd, got \(16, 25\)"):
+            depthwise_conv_add(out, x, (4, 4), weight.view(16, 25), bias)
         with pytest.raises(ValueError, match=r"extra weight needs a bias of shape \(16,\), got "
                                              r"\(8,\)"):
             depthwise_conv_add(out, x, (4, 4), weight, bias, (weight[..., :3, :3], bias[:8]))
@@ -296,8 +327,8 @@ def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
         warnings.simplefilter('error')
         got = tc.triton_conv_add(out, x, (5, 7), weight, bias)
         tc.triton_conv_add(out, x, (5, 7), weight, bias)
-    assert tb._AGREED == {('conv', x.device, torch.float32, torch.float32, 24, False,
-                           ((24, 1, 5, 5), (24, )))}
+    assert tb._AGREED == {('conv', x.device, torch.float32, 24, False,
+                           (((24, 1, 5, 5), torch.float32), ((24, ), torch.float32)))}
     assert torch.allclose(got, want, atol=1e-5)
     kernels = tc.kernels()
     real = kernels.conv_add
