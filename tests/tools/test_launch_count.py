@@ -44,9 +44,10 @@ def test_a_kernels_flags_decide_which_tensors_it_uses():
     assert lc.used_params(kernel, {}) == ['x_ptr', 'y_ptr', 'z_ptr']  # flag unknown: used
 
 
-def count_layer(heads):
+def count_layer(heads, masked=False):
     """The tallies of one fp32 layer's forward and backward, 2 images of 5x6
-    tokens, 32 channels, the core and DWC on the Triton ops (fake CUDA)."""
+    tokens, 32 channels, the core and DWC on the Triton ops (fake CUDA); with
+    ``masked``, a key mask (padded windows' keys) given."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flatten_mm.models import FocusedLinearAttention
@@ -56,8 +57,9 @@ def count_layer(heads):
     layer = trace_cuda.to_fake_cuda(FocusedLinearAttention(32, heads), fake_mode)
     with trace_cuda.on_fake_gpu(fake_mode, 'triton'), lc.counted_launches() as inside:
         x = torch.randn(2, 30, 32, device='cuda')
+        mask = torch.arange(30, device='cuda').expand(2, 30) < 27 if masked else None
         outs = []
-        forward = pb.tally_ops(lambda: outs.append(layer(x, (5, 6)).sum()), inside)
+        forward = pb.tally_ops(lambda: outs.append(layer(x, (5, 6), mask).sum()), inside)
         backward = pb.tally_ops(lambda: trace_cuda.run_backward(outs[0]), inside)
     return forward, backward
 
@@ -96,6 +98,13 @@ def test_a_layers_kernels_counted_by_hand():
     # over the heads in the kernel that sums the chunks (no sum, copy or clone of torch's)
     assert 'aten::repeat' not in forward.calls
     assert 'aten::clone' not in backward.calls, backward.calls
+    # a key mask: the forward's state sum counts each image's keys and keeps 1 / count
+    # for the backward's key passes: its ATen ops are the unmasked layer's and the
+    # gradient of V's masking (no sum, clamp and division of the mask's there)
+    aten = {op: n for op, n in backward.calls.items() if op.startswith('aten::')}
+    _, masked = count_layer(2, masked=True)
+    assert {op: n for op, n in masked.calls.items() if op.startswith('aten::')} == {
+        **aten, 'aten::mul': aten.get('aten::mul', 0) + 1}, masked.calls
     forward, backward = count_layer(1)
     assert 'triton::row_stats' not in forward.calls
     assert {op for op in backward.calls if op.startswith('triton::')} == {

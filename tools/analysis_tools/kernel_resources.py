@@ -85,10 +85,10 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch
                                                                    torch.randn(C))
     with mock.patch.object(triton_kernels, 'capability', lambda device: divmod(arch, 10)), \
             launches_recorded(lambda name, fn, grid, a, kw: calls.append((fn, a, kw))):
-        out, kv, km, stats_q, stats_k, s_inv = triton_kernels.forward(q, k, v, scale, p, heads,
-                                                                      mask)
-        triton_kernels.backward(out, q, k, v, scale, s_inv, kv, km, stats_q, stats_k, p, heads,
-                                mask)
+        out, kv, km, stats_q, stats_k, s_inv, inv_count = triton_kernels.forward(
+            q, k, v, scale, p, heads, mask)
+        triton_kernels.backward(out, q, k, v, scale, s_inv, kv, km, stats_q, stats_k, inv_count,
+                                p, heads, mask)
         triton_conv_kernels.conv_add(v, weight, bias, out, (16, 24), extra=lepe)
         triton_conv_kernels.conv_add(out, weight, None, None, (16, 24), flip=True, extra=lepe)
         triton_conv_kernels.weight_grad(out, v, weight, bias, (16, 24), lepe)

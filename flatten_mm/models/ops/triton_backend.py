@@ -211,9 +211,10 @@ def kernel_impl(fn: Callable) -> Callable:
 @kernel_impl
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                   num_heads: int, key_mask: Optional[Tensor]
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """out, and the fp32 KV, km, row statistics of q and k and s_inv that
-    backward takes; ``scale`` the layer's raw parameter (C elements, any shape)."""
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """out, and the fp32 KV, km, row statistics of q and k, s_inv and (with a key
+    mask) each image's 1 / key count that backward takes; ``scale`` the
+    layer's raw parameter (C elements, any shape)."""
     q, k, v = (channel_rows(x) for x in (q, k, v))
     return tuple(kernels().forward(q, k, v, scale.reshape(-1).contiguous(), focusing_factor,
                                    num_heads, key_mask))
@@ -221,43 +222,44 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_facto
 
 def _forward_fake(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                   num_heads: int, key_mask: Optional[Tensor]
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, N, C = q.shape
     n, d = k.shape[1], C // num_heads
     f32 = dict(dtype=torch.float32, device=q.device)
     return (q.new_empty((B, N, C), dtype=v.dtype), q.new_empty((B, num_heads, d, d), **f32),
             q.new_empty((B, num_heads, d), **f32), q.new_empty((3, B, N), **f32),
-            q.new_empty((3, B, n), **f32), q.new_empty((C, ), **f32))
+            q.new_empty((3, B, n), **f32), q.new_empty((C, ), **f32),
+            q.new_empty((B if key_mask is not None else 0, ), **f32))
 
 
 @kernel_impl
 def _backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
                    s_inv: Tensor, kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor,
-                   focusing_factor: float, num_heads: int, key_mask: Optional[Tensor]
-                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                   inv_count: Tensor, focusing_factor: float, num_heads: int,
+                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients for q, k, v and the raw scale (its shape and dtype)."""
     grad_out, q, k, v = (channel_rows(x) for x in (grad_out, q, k, v))
     dq, dk, dv, ds = kernels().backward(grad_out, q, k, v, scale.reshape(-1).contiguous(), s_inv,
-                                        kv, km, stats_q, stats_k, focusing_factor, num_heads,
-                                        key_mask)
+                                        kv, km, stats_q, stats_k, inv_count, focusing_factor,
+                                        num_heads, key_mask)
     return dq, dk, dv, ds.view(scale.shape).to(scale.dtype)
 
 
 def _backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor,
                    s_inv: Tensor, kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor,
-                   focusing_factor: float, num_heads: int, key_mask: Optional[Tensor]
-                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                   inv_count: Tensor, focusing_factor: float, num_heads: int,
+                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             scale.new_empty(scale.shape))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, scale, focusing_factor, num_heads, key_mask = inputs
-    _, kv, km, stats_q, stats_k, s_inv = output
-    ctx.save_for_backward(q, k, v, scale, s_inv, kv, km, stats_q, stats_k, key_mask)
+    _, kv, km, stats_q, stats_k, s_inv, inv_count = output
+    ctx.save_for_backward(q, k, v, scale, s_inv, kv, km, stats_q, stats_k, inv_count, key_mask)
     ctx.focusing_factor, ctx.num_heads = focusing_factor, num_heads
-    ctx.mark_non_differentiable(kv, km, stats_q, stats_k, s_inv)
-    # their gradients stay None: no five zero-filled tensors made for each backward
+    ctx.mark_non_differentiable(kv, km, stats_q, stats_k, s_inv, inv_count)
+    # their gradients stay None: no zero-filled tensors made for each backward
     ctx.set_materialize_grads(False)
 
 
@@ -266,10 +268,10 @@ def _backward(ctx: Any, grad_out: Optional[Tensor], *_: Optional[Tensor]) -> tup
     statistics' gradients are ignored: they are non-differentiable outputs)."""
     if grad_out is None:  # out's gradient is undefined: nothing flows back
         return (None, ) * 7
-    q, k, v, scale, s_inv, kv, km, stats_q, stats_k, key_mask = ctx.saved_tensors
+    q, k, v, scale, s_inv, kv, km, stats_q, stats_k, inv_count, key_mask = ctx.saved_tensors
     grads = torch.ops.flatten_mm.triton_focused_attention_backward(
-        grad_out, q, k, v, scale, s_inv, kv, km, stats_q, stats_k, ctx.focusing_factor,
-        ctx.num_heads, key_mask)
+        grad_out, q, k, v, scale, s_inv, kv, km, stats_q, stats_k, inv_count,
+        ctx.focusing_factor, ctx.num_heads, key_mask)
     return tuple(grads) + (None, None, None)
 
 

@@ -233,13 +233,15 @@ def _output_kernel(q_ptr, stats_ptr, s_inv_ptr, kv_ptr, km_ptr, out_ptr, N, h, D
 
 
 @triton.jit
-def _state_sum_kernel(part_ptr, vec_part_ptr, mask_ptr, out_ptr, vec_ptr, chunks, n, h, D,
-                      stride_mb, inv_n, HAS_MASK: tl.constexpr, BD: tl.constexpr,
+def _state_sum_kernel(part_ptr, vec_part_ptr, mask_ptr, out_ptr, vec_ptr, inv_ptr, chunks, n, h,
+                      D, stride_mb, inv_n, HAS_MASK: tl.constexpr, BD: tl.constexpr,
                       BLOCK_M: tl.constexpr):
     """The (D, D) state and (D,) vector of one (image, head): its chunks' partials
     added in order (deterministic, unlike atomics), times 1 / the image's real
     key count (``inv_n`` without a mask; 1 for a gradient's partials). One
-    launch for what were two sums, two scalings and the count's own ops."""
+    launch for what were two sums, two scalings and the count's own ops. With
+    a mask, each image's first head stores that 1 / count in ``inv_ptr`` (B,),
+    for the backward's key passes."""
     bh = tl.program_id(0)
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -258,6 +260,7 @@ def _state_sum_kernel(part_ptr, vec_part_ptr, mask_ptr, out_ptr, vec_ptr, chunks
         # correctly rounded, as torch's 1 / count the key passes load (a GPU's
         # 1.0 / x is approximate, to 2 ulp)
         inv = tl.math.div_rn(1.0, tl.maximum(tl.sum(count, axis=0), 1.0))
+        tl.store(inv_ptr + bh // h, inv, mask=bh % h == 0)
     _store_state(out_ptr, vec_ptr, bh, cols, cmask, D, state * inv, vec * inv)
 
 
@@ -645,25 +648,21 @@ def _mask_args(key_mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, in
     return mask, mask.stride(0), True
 
 
-def inverse_count(key_mask: Tensor) -> Tensor:
-    """(B,) fp32: 1 / the number of real keys of each image (1 for none: its
-    sums are 0, no 0 / 0)."""
-    return 1.0 / key_mask.sum(1, dtype=torch.float32).clamp_min(1)
-
-
 def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int], bd: int,
-                  key_mask: Optional[Tensor] = None, n: int = 1) -> Tuple[Tensor, Tensor]:
+                  key_mask: Optional[Tensor] = None, n: int = 1,
+                  inv_count: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(B, h, d, d) states and (B, h, d) vectors from their chunks' partials
     ((B * h, chunks, d, d), (B * h, chunks, d)), divided by each image's real
-    key count (``n`` keys without ``key_mask``; n = 1: a plain sum); ``bd``:
-    the padded head width of the partials' plan."""
+    key count (``n`` keys without ``key_mask``; n = 1: a plain sum), whose
+    inverse goes into ``inv_count`` (B,) with a mask (an image without keys:
+    1, its sums being 0); ``bd``: the padded head width of the partials' plan."""
     B, h, d = shape
     state = torch.empty((B, h, d, d), dtype=torch.float32, device=part.device)
     vec = torch.empty((B, h, d), dtype=torch.float32, device=part.device)
     mask, stride_m, has_mask = _mask_args(key_mask, vec_part)
     _state_sum_kernel[(B * h, )](
-        part, vec_part, mask, state, vec, part.shape[1], n, h, d, stride_m, 1.0 / n,
-        HAS_MASK=has_mask, BD=bd, BLOCK_M=1024,
+        part, vec_part, mask, state, vec, inv_count if has_mask else vec, part.shape[1], n, h,
+        d, stride_m, 1.0 / n, HAS_MASK=has_mask, BD=bd, BLOCK_M=1024,
         num_warps=NUM_WARPS, **COMPILE_OPTIONS)
     return state, vec
 
@@ -688,8 +687,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float,
             num_heads: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
     """out (B, N, C) in v's dtype, and what backward needs: KV (B, h, d, d) and
     km (B, h, d) (fp32, divided by the key count), the row statistics of q and
-    k, and s_inv = 1 / softplus(scale) of the layer's raw (C,) ``scale`` (any
-    float dtype; fp32 (C,), :func:`inverse_scale`)."""
+    k, s_inv = 1 / softplus(scale) of the layer's raw (C,) ``scale`` (any
+    float dtype; fp32 (C,), :func:`inverse_scale`), and with ``key_mask`` each
+    image's 1 / its key count (fp32 (B,); (0,) without)."""
     B, N, C = q.shape
     n, h = k.shape[1], num_heads
     d = C // h
@@ -705,13 +705,15 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, p: float,
         k, v, mask, stats_k, s_inv, kv_part, km_part, n, h, d, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), stride_m, p, kp.blocks_per_prog, HAS_MASK=has_mask,
         WHOLE_ROWS=whole, **_launch_opts(kp))
-    kv, km = summed_states(kv_part, km_part, (B, h, d), kp.bd, key_mask, n)
+    # with a key mask each image's 1 / count, for the backward (no torch ops there)
+    inv_count = torch.empty((B if key_mask is not None else 0, ), **f32)
+    kv, km = summed_states(kv_part, km_part, (B, h, d), kp.bd, key_mask, n, inv_count)
     qp = plan(N, B * h, d, v.dtype, sm_count(q.device))
     out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
     _output_kernel[(B * h, triton.cdiv(N, qp.block_n))](
         q, stats_q, s_inv, kv, km, out, N, h, d, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), p, WHOLE_ROWS=whole, **_launch_opts(qp))
-    return out, kv, km, stats_q, stats_k, s_inv
+    return out, kv, km, stats_q, stats_k, s_inv, inv_count
 
 
 def fuses_query_passes(cap: Tuple[int, int]) -> bool:
@@ -753,17 +755,18 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, scale: Tensor, kv: Tens
 
 
 def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, scale: Tensor, dkv: Tensor, dkm: Tensor,
-                  stats_k: Tensor, p: float, h: int, key_mask: Optional[Tensor], kp: Plan,
-                  ds: Tensor) -> Tuple[Tensor, Tensor]:
+                  stats_k: Tensor, p: float, h: int, key_mask: Optional[Tensor],
+                  inv_count: Tensor, kp: Plan, ds: Tensor) -> Tuple[Tensor, Tensor]:
     """dk and dv from the gradients of KV and km; the chunks' partial gradients of
     the raw scale through k into ``ds`` (kp.chunks, B * h, d). One head: one pass (the
-    dk pass writes dv too); else two. Without a key mask each key's share is
-    the scalar 1 / n (no count tensor)."""
+    dk pass writes dv too); else two. Each key's share is the scalar 1 / n
+    without a key mask, with one its image's 1 / count, ``inv_count`` (B,)
+    from the forward's state sum."""
     B, n, C = k.shape
     d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=k.device)
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
-    inv = stats_k if key_mask is None else inverse_count(key_mask)  # (a stand-in: unread)
+    inv = stats_k if key_mask is None else inv_count  # (a stand-in: unread)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     gc = inv  # read only with several heads
     if not whole:
@@ -782,10 +785,10 @@ def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, scale: Tensor, dkv: Tenso
 
 
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, s_inv: Tensor,
-             kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor, p: float,
-             num_heads: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
+             kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor, inv_count: Tensor,
+             p: float, num_heads: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
     """Gradients for q, k, v and the raw scale (fp32, (C,)) given that of out
-    (``s_inv``: the forward's, :func:`inverse_scale`). The query and key passes
+    (``s_inv`` and ``inv_count``: the forward's). The query and key passes
     write their chunks' partial gradients of the scale (through s_inv and
     softplus: :func:`_store_scale_grad`) into one buffer, chunk-major, so that
     one sum gives the scale's."""
@@ -797,6 +800,6 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, s
     ds = torch.empty((qp.chunks + kp.chunks, B * h, d), dtype=torch.float32, device=q.device)
     dq, dkv, dkm = _query_backward(grad_out, q, s_inv, scale, kv, km, stats_q, p, h, qp,
                                    ds[:qp.chunks])
-    dk, dv = _key_backward(k, v, s_inv, scale, dkv, dkm, stats_k, p, h, key_mask, kp,
-                           ds[qp.chunks:])
+    dk, dv = _key_backward(k, v, s_inv, scale, dkv, dkm, stats_k, p, h, key_mask, inv_count,
+                           kp, ds[qp.chunks:])
     return dq, dk, dv, ds.view(-1, B, h, d).sum((0, 1)).reshape(C)

@@ -224,10 +224,12 @@ def test_opcheck():
     (with a key mask; compile and export below pass None)."""
     args = op_args(True)
     torch.library.opcheck(torch.ops.flatten_mm.triton_focused_attention.default, args)
-    out, kv, km, stats_q, stats_k, s_inv = torch.ops.flatten_mm.triton_focused_attention(*args)
+    out, *kept = torch.ops.flatten_mm.triton_focused_attention(*args)
+    kv, km, stats_q, stats_k, s_inv, inv_count = kept
+    assert inv_count.shape == (2, ) and torch.equal(inv_count, 1 / args[-1].sum(1).float())
     g = torch.randn_like(out)
     bwd_args = [g] + [a.detach() if torch.is_tensor(a) else a for a in args[:4]] + \
-        [s_inv, kv, km, stats_q, stats_k] + args[4:]
+        [s_inv, kv, km, stats_q, stats_k, inv_count] + args[4:]
     torch.library.opcheck(torch.ops.flatten_mm.triton_focused_attention_backward.default, bwd_args)
 
 
