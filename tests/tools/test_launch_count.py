@@ -95,7 +95,7 @@ def test_a_layers_kernels_counted_by_hand():
     assert forward.calls['aten::sum'] == 1 and 'aten::mul_' not in forward.calls
     assert 'aten::full' not in forward.calls and 'aten::full' not in backward.calls
     # the DWC read from its one head's kernel: no repeat forward, and its gradient summed
-    # over the heads in the kernel that sums the chunks (no sum, copy or clone of torch's)
+    # over the heads in the kernel that sums the chunks (no clone of torch's)
     assert 'aten::repeat' not in forward.calls
     assert 'aten::clone' not in backward.calls, backward.calls
     # a key mask: the forward's state sum counts each image's keys and keeps 1 / count

@@ -186,7 +186,8 @@ def _conv_grad_sum_kernel(part_ptr, w_ptr, b_ptr, e_ptr, eb_ptr, chunks, C, wc,
 # spill (kernel_resources.py). With all 25 taps unrolled, their loads were hoisted
 # and spilled kilobytes; at 128 rows and four warps they took up to 235 registers.
 NUM_WARPS = 8
-# values a load of the weight gradient's chunk sum takes (_conv_grad_sum_kernel)
+# values a load of the weight gradient's chunk sum takes (_conv_grad_sum_kernel; a power
+# of two, as the tiles' sides)
 GRAD_SUM_TILE = 4096
 
 
@@ -271,10 +272,10 @@ def weight_grad(g: Tensor, x: Tensor, weight: Tensor, bias: Tensor, hw: Tuple[in
     e, eb = grads[2:] if extra is not None else grads[:2]
     wc = weight.shape[0]
     BG, BW, BC = (triton.next_power_of_2(n) for n in (C // wc, wc, C))
-    most = triton.next_power_of_2(pl.chunks)  # blocks of chunks, GRAD_SUM_TILE values a load
+    # blocks of chunks, GRAD_SUM_TILE values a load whatever the chunk count (one
+    # kernel variant per C and kernel parts, not one per count; rows past it masked)
     _conv_grad_sum_kernel[(K * K + 1, )](
         part, grads[0], grads[1], e, eb, pl.chunks, C, wc,
-        CB=max(1, min(most, GRAD_SUM_TILE // (BG * BW))), BG=BG, BW=BW,
-        CE=max(1, min(most, GRAD_SUM_TILE // BC)), BC=BC, num_warps=NUM_WARPS, **sizes,
-        **COMPILE_OPTIONS)
+        CB=max(1, GRAD_SUM_TILE // (BG * BW)), BG=BG, BW=BW, CE=max(1, GRAD_SUM_TILE // BC),
+        BC=BC, num_warps=NUM_WARPS, **sizes, **COMPILE_OPTIONS)
     return tuple(grads)

@@ -648,6 +648,15 @@ def _mask_args(key_mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, in
     return mask, mask.stride(0), True
 
 
+def check_inv_count(key_mask: Optional[Tensor], inv_count: Optional[Tensor], B: int) -> None:
+    """ValueError unless, with a key mask, ``inv_count`` is a (B,) tensor (1 /
+    each image's key count: the kernels read B values)."""
+    if key_mask is not None and (inv_count is None or tuple(inv_count.shape) != (B, )):
+        got = None if inv_count is None else tuple(inv_count.shape)
+        raise ValueError(f'with a key mask, inv_count must be ({B},): 1 / each image\'s key '
+                         f'count, got {got}')
+
+
 def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int], bd: int,
                   key_mask: Optional[Tensor] = None, n: int = 1,
                   inv_count: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
@@ -657,6 +666,7 @@ def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int], b
     inverse goes into ``inv_count`` (B,) with a mask (an image without keys:
     1, its sums being 0); ``bd``: the padded head width of the partials' plan."""
     B, h, d = shape
+    check_inv_count(key_mask, inv_count, B)
     state = torch.empty((B, h, d, d), dtype=torch.float32, device=part.device)
     vec = torch.empty((B, h, d), dtype=torch.float32, device=part.device)
     mask, stride_m, has_mask = _mask_args(key_mask, vec_part)
@@ -795,6 +805,7 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, s
     B, N, C = q.shape
     h, n = num_heads, k.shape[1]
     d = C // h
+    check_inv_count(key_mask, inv_count, B)  # the forward's (0,) without a mask: not read
     qp = plan(N, B * h, d, v.dtype, sm_count(q.device), backward=True)
     kp = plan(n, B * h, d, v.dtype, sm_count(k.device), backward=True)
     ds = torch.empty((qp.chunks + kp.chunks, B * h, d), dtype=torch.float32, device=q.device)

@@ -231,6 +231,10 @@ def test_opcheck():
     bwd_args = [g] + [a.detach() if torch.is_tensor(a) else a for a in args[:4]] + \
         [s_inv, kv, km, stats_q, stats_k, inv_count] + args[4:]
     torch.library.opcheck(torch.ops.flatten_mm.triton_focused_attention_backward.default, bwd_args)
+    # the key mask's counts are the forward's: a backward given none is refused, not read past
+    bad = bwd_args[:10] + [inv_count[:0]] + bwd_args[11:]
+    with pytest.raises(ValueError, match=r'inv_count must be \(2,\).*got \(0,\)'):
+        torch.ops.flatten_mm.triton_focused_attention_backward(*bad)
 
 
 def test_compile_fullgraph_one_op_each():
