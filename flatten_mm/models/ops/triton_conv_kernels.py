@@ -137,19 +137,17 @@ def _conv_weight_grad_kernel(g_ptr, x_ptr, part_ptr, R, L, H, W, C, stride_gb, s
 def _conv_grad_sum_kernel(part_ptr, w_ptr, b_ptr, e_ptr, eb_ptr, chunks, C, wc,
                           K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
                           HAS_EXTRA: tl.constexpr, CB: tl.constexpr, BG: tl.constexpr,
-                          BW: tl.constexpr, CE: tl.constexpr, BC: tl.constexpr):
+                          BW: tl.constexpr):
     """The gradients of the kernel's parts at tap t = program_id(0) (t = K * K:
     the biases) from the weight-gradient sweep's (chunks, K * K + 1, C) fp32
-    partials, each where t falls inside its kernel, in the parts' dtypes. The
-    shared part's sums over the chunks and its C / wc groups of channels at
-    once: row r of a (CB * BG, BW) tile is chunk r // BG's group r % BG
-    (channel (r % BG) * wc + column), CB chunks a load. The extra part's sums
-    over the chunks per channel, (CE, BC) tiles of whole rows. Blocks of chunks,
-    not one at a time: a (BG, BW) load per chunk, hundreds of chunks in a row,
-    would wait on memory latency. In a fixed order: deterministic, unlike
-    atomics."""
+    partials, each where t falls inside its kernel, in the parts' dtypes. Row r
+    of a (CB * BG, BW) tile is chunk r // BG's group r % BG of wc channels
+    (channel (r % BG) * wc + column), CB chunks a load: summed over its chunks,
+    the tile gives each channel's sum (the extra part's gradient), and that
+    over the C / wc groups the shared part's. Blocks of chunks, not one at a
+    time: a load per chunk, hundreds of chunks in a row, would wait on memory
+    latency. In a fixed order: deterministic, unlike atomics."""
     t = tl.program_id(0)
-    base = part_ptr + t * C
     row = tl.arange(0, CB * BG)
     col = tl.arange(0, BW)
     grp = row % BG
@@ -158,26 +156,22 @@ def _conv_grad_sum_kernel(part_ptr, w_ptr, b_ptr, e_ptr, eb_ptr, chunks, C, wc,
     acc = tl.zeros((CB * BG, BW), dtype=tl.float32)
     for c0 in range(0, chunks, CB):
         keep = ok & (c0 + row // BG < chunks)[:, None]
-        acc += tl.load(base + c0 * (K * K + 1) * C + offs, mask=keep, other=0.0)
-    shared = tl.sum(acc, axis=0)
+        acc += tl.load(part_ptr + t * C + c0 * (K * K + 1) * C + offs, mask=keep, other=0.0)
+    per_channel = tl.sum(tl.reshape(acc, (CB, BG, BW)), axis=0)  # (BG, BW)
+    shared = tl.sum(per_channel, axis=0)
     is_bias = t == K * K
     idx, inside = _centred_tap(t, K, K1)
     tl.store(w_ptr + col * (K1 * K1) + idx, shared.to(w_ptr.dtype.element_ty),
              mask=(col < wc) & inside & ~is_bias)
     tl.store(b_ptr + col, shared.to(b_ptr.dtype.element_ty), mask=(col < wc) & is_bias)
     if HAS_EXTRA:
-        rows = tl.arange(0, CE)
-        chans = tl.arange(0, BC)
-        eacc = tl.zeros((CE, BC), dtype=tl.float32)
-        for c0 in range(0, chunks, CE):
-            keep = (c0 + rows < chunks)[:, None] & (chans < C)[None, :]
-            ptrs = base + ((c0 + rows) * (K * K + 1) * C)[:, None] + chans[None, :]
-            eacc += tl.load(ptrs, mask=keep, other=0.0)
-        extra = tl.sum(eacc, axis=0)
+        g = tl.arange(0, BG)
+        chans = g[:, None] * wc + col[None, :]
+        cmask = (g < C // wc)[:, None] & (col < wc)[None, :]
         idx2, inside2 = _centred_tap(t, K, K2)
-        tl.store(e_ptr + chans * (K2 * K2) + idx2, extra.to(e_ptr.dtype.element_ty),
-                 mask=(chans < C) & inside2 & ~is_bias)
-        tl.store(eb_ptr + chans, extra.to(eb_ptr.dtype.element_ty), mask=(chans < C) & is_bias)
+        tl.store(e_ptr + chans * (K2 * K2) + idx2, per_channel.to(e_ptr.dtype.element_ty),
+                 mask=cmask & inside2 & ~is_bias)
+        tl.store(eb_ptr + chans, per_channel.to(eb_ptr.dtype.element_ty), mask=cmask & is_bias)
 
 
 # ---------------------------------------------------------------- launchers
@@ -271,11 +265,10 @@ def weight_grad(g: Tensor, x: Tensor, weight: Tensor, bias: Tensor, hw: Tuple[in
     grads = [torch.empty_like(t) for t in (weight, bias, *(extra or ()))]
     e, eb = grads[2:] if extra is not None else grads[:2]
     wc = weight.shape[0]
-    BG, BW, BC = (triton.next_power_of_2(n) for n in (C // wc, wc, C))
+    BG, BW = triton.next_power_of_2(C // wc), triton.next_power_of_2(wc)
     # blocks of chunks, GRAD_SUM_TILE values a load whatever the chunk count (one
     # kernel variant per C and kernel parts, not one per count; rows past it masked)
     _conv_grad_sum_kernel[(K * K + 1, )](
-        part, grads[0], grads[1], e, eb, pl.chunks, C, wc,
-        CB=max(1, GRAD_SUM_TILE // (BG * BW)), BG=BG, BW=BW, CE=max(1, GRAD_SUM_TILE // BC),
-        BC=BC, num_warps=NUM_WARPS, **sizes, **COMPILE_OPTIONS)
+        part, grads[0], grads[1], e, eb, pl.chunks, C, wc, CB=max(1, GRAD_SUM_TILE // (BG * BW)),
+        BG=BG, BW=BW, num_warps=NUM_WARPS, **sizes, **COMPILE_OPTIONS)
     return tuple(grads)

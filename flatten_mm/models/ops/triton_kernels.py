@@ -666,7 +666,6 @@ def summed_states(part: Tensor, vec_part: Tensor, shape: Tuple[int, int, int], b
     inverse goes into ``inv_count`` (B,) with a mask (an image without keys:
     1, its sums being 0); ``bd``: the padded head width of the partials' plan."""
     B, h, d = shape
-    check_inv_count(key_mask, inv_count, B)
     state = torch.empty((B, h, d, d), dtype=torch.float32, device=part.device)
     vec = torch.empty((B, h, d), dtype=torch.float32, device=part.device)
     mask, stride_m, has_mask = _mask_args(key_mask, vec_part)
