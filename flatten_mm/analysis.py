@@ -93,6 +93,19 @@ def triton_conv_add_flops(inputs, outputs) -> Counter:
     return Counter({'conv': B * L * C * k * k})
 
 
+def triton_attention_local_flops(inputs, outputs) -> Counter:
+    """mmengine FLOP handle for the ``flatten_mm::triton_attention_local`` op
+    (attention + DWC(v) of one (B, N, 3C) product; arguments qkv, scale,
+    weight, bias, extra weight or None, its bias, H, W, p, num_heads): the two
+    ops' counts (:func:`triton_focused_attention_flops`,
+    :func:`triton_conv_add_flops`)."""
+    B, N, C3 = _shape(inputs[0])
+    k = max(_shape(t)[-1] for t in (inputs[2], inputs[4])
+            if t.type().kind() == 'TensorType')
+    return _focused_count((B, N, C3 // 3), N, int(inputs[9].toIValue())) + \
+        Counter({'conv': B * N * C3 // 3 * k * k})
+
+
 def sdpa_flops(inputs, outputs) -> Counter:
     """mmengine FLOP handle for ``F.scaled_dot_product_attention`` (which it
     does not count): Q K^T and the weighted sum of V."""
@@ -109,6 +122,7 @@ FLOP_HANDLES: Dict[str, Callable] = {
     'flatten_mm::triton_focused_attention': triton_focused_attention_flops,
     'prim::PythonOp.DepthwiseConvFn': depthwise_conv_flops,
     'flatten_mm::triton_local_conv_add': triton_conv_add_flops,
+    'flatten_mm::triton_attention_local': triton_attention_local_flops,
 }
 
 

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .designs import check_design, check_kernel_size, get_design, local_kernel
-from .ops import depthwise_conv_add
+from .ops import attention_with_local_term, depthwise_conv_add
 from .ops.conv import torch_conv_add
+from .ops.local import split_qkv
 from .resize import add_resized_to_block_, cached_resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, autocast_input, check_heads, check_number,
                     check_positive_int, map_to_tokens, spatial_reduce, tokens_to_map,
@@ -198,6 +199,10 @@ class FocusedLinearAttention(nn.Module):
                 f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}, '
                 f'design={self.attn_design!r}')
 
+    #: False: every call runs the attention and its local term as two ops
+    #: (:meth:`fuses_local_term`); a benchmark that swaps the core sets it
+    fuse_local_term = True
+
     __prepare_scriptable__ = refuse_torchscript  # torch.jit.script calls it on every submodule
 
     def positional_encoding_for(self, grid: HWShape) -> Tensor:
@@ -230,9 +235,16 @@ class FocusedLinearAttention(nn.Module):
                 B, -1, 2 * C).split(C, -1)
         else:
             grid = tuple(hw_shape)
-            qkv = self.add_positional_encoding_(stacked_linear(x, self.q, self.kv), grid, C, B)
-            q, k, v = qkv.view(B, -1, 3 * C).split(C, -1)
+            q, k, v = split_qkv(self.project_stacked(x, grid))
         return q, k, v, grid
+
+    def project_stacked(self, x: Tensor, hw_shape: HWShape) -> Tensor:
+        """q, k and v side by side, (B, N, 3C), keys on the query grid
+        (``sr_ratio=1``): :meth:`project_qkv`'s one product, k with its
+        positional encoding added in place."""
+        B, C = x.shape[0], self.embed_dims
+        qkv = stacked_linear(autocast_input(x), self.q, self.kv)
+        return self.add_positional_encoding_(qkv, tuple(hw_shape), C, B).view(B, -1, 3 * C)
 
     def conv_on_grid(self, x: Tensor, grid: HWShape, conv, size: Optional[HWShape] = None
                      ) -> Tensor:
@@ -259,12 +271,26 @@ class FocusedLinearAttention(nn.Module):
         """
         P = self.num_prefix_tokens
         check_attention_input(x, hw_shape, key_mask, self.embed_dims, self.sr_ratio, P)
+        if key_mask is None and self.fuses_local_term():
+            kernel = local_kernel(self)
+            out = attention_with_local_term(
+                self.project_stacked(x, hw_shape), self.scale, self.focusing_factor,
+                self.num_heads, hw_shape, *kernel, overwrite_qk=True)
+            return self.proj_drop(self.proj(out))
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
         out = self.attend(q, k, v, key_mask, overwrite_qk=True, grids=(hw_shape, grid))
         out = add_local_term(self, out, v, grid, hw_shape)
         return self.proj_drop(self.proj(out))
+
+    def fuses_local_term(self) -> bool:
+        """Whether an unmasked call runs the attention and its local term as one
+        call (:func:`~flatten_mm.models.ops.attention_with_local_term`; one op
+        on the Triton backend): the focused design with a DWC or LePE, keys on
+        the query grid, no prefix tokens, and :attr:`fuse_local_term`."""
+        return (self.fuse_local_term and self.attn_design == 'focused' and self.sr_ratio == 1
+                and not self.num_prefix_tokens and local_kernel(self) is not None)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
                overwrite_qk: bool = False, grids: Optional[Tuple[HWShape, HWShape]] = None

@@ -98,13 +98,18 @@ def test_a_layers_kernels_counted_by_hand():
     # over the heads in the kernel that sums the chunks (no clone of torch's)
     assert 'aten::repeat' not in forward.calls
     assert 'aten::clone' not in backward.calls, backward.calls
-    # a key mask: the forward's state sum counts each image's keys and keeps 1 / count
-    # for the backward's key passes: its ATen ops are the unmasked layer's and the
-    # gradient of V's masking (no sum, clamp and division of the mask's there)
+    # unmasked, the attention and its DWC are one op: their gradients of q, k and v
+    # written into the product's gradient, v's two added in place (no cat, no add)
     aten = {op: n for op, n in backward.calls.items() if op.startswith('aten::')}
+    assert 'aten::cat' not in aten and 'aten::add' not in aten, aten
+    # a key mask: two ops; the forward's state sum counts each image's keys and keeps
+    # 1 / count for the backward's key passes: its ATen ops are the unmasked layer's,
+    # the gradient of V's masking and the two ops' joins (no sum, clamp and
+    # division of the mask's there)
     _, masked = count_layer(2, masked=True)
     assert {op: n for op, n in masked.calls.items() if op.startswith('aten::')} == {
-        **aten, 'aten::mul': aten.get('aten::mul', 0) + 1}, masked.calls
+        **aten, 'aten::mul': aten.get('aten::mul', 0) + 1, 'aten::cat': 1,
+        'aten::add': 1}, masked.calls
     forward, backward = count_layer(1)
     assert 'triton::row_stats' not in forward.calls
     assert {op for op in backward.calls if op.startswith('triton::')} == {

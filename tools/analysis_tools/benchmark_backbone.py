@@ -268,6 +268,7 @@ def with_attention_variant(model, variant: str):
         elif variant == 'identity':  # out = q: no focusing map, no state, no sums; a
             # new tensor, as any core writes (q is a view of the layer's q, k, v product)
             m.attend = lambda q, k, v, key_mask, overwrite_qk=False, grids=None: q.clone()
+            m.fuse_local_term = False  # the core and its local term through attend
     return model
 
 

@@ -15,7 +15,9 @@ extent, as Inductor counts a kernel's buffers. A tensor the kernel does not
 touch under the launch's compile-time flags (``if WHOLE_ROWS:``-style blocks in
 its source; :func:`used_params`) is not counted; a tensor passed for an absent
 one (the mask's, the bias's: the host code hands the kernel another of its
-tensors) is counted once, as the same tensor. Tiling is an H100/H200's (132
+tensors) is counted once, as the same tensor; a tensor a kernel adds to in
+place (the same tensor as the conv's ``base`` and ``out``: :data:`IN_PLACE`)
+twice, read and written. Tiling is an H100/H200's (132
 multiprocessors, sm_90), also in a process that loaded the kernels for Triton's
 interpreter. What a kernel re-reads within itself (a program's
 state, cached rows) or finds in cache is not seen.
@@ -81,16 +83,27 @@ def used_params(fn: Callable, given: dict) -> List[str]:
                    for c in conds)]
 
 
+# (read, written) parameters of a kernel that may be one tensor, updated in place
+IN_PLACE = (('base_ptr', 'out_ptr'), )
+
+
 def launch_bytes(fn: Callable, args: tuple, kwargs: dict) -> int:
     """Bytes of the distinct tensors a launch of kernel function ``fn`` uses,
-    each at its own extent (a view: what it spans)."""
+    each at its own extent (a view: what it spans); one updated in place
+    (:data:`IN_PLACE`) counts twice."""
     params, _ = param_uses(fn)
     given = dict(zip(params, args), **kwargs)
+    used = used_params(fn, given)
     seen, total = set(), 0
-    for name in used_params(fn, given):
+    for name in used:
         t = given.get(name)
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
+            total += t.numel() * t.element_size()
+    for read, written in IN_PLACE:
+        t = given.get(read)
+        if read in used and written in used and isinstance(t, torch.Tensor) and \
+                t is given.get(written):
             total += t.numel() * t.element_size()
     return total
 
@@ -139,11 +152,13 @@ def counted_launches() -> Iterator[Dict[str, Callable]]:
     ``profile_backbone.tally_ops``'s ``inside`` map: each ``flatten_mm::triton_*``
     op to a function that runs the op's host code on its arguments and returns
     the launches it made."""
-    from flatten_mm.models.ops import triton_backend, triton_conv
+    from flatten_mm.models.ops import triton_backend, triton_conv, triton_fused
     impls = {'flatten_mm::triton_focused_attention': triton_backend._forward_impl,
              'flatten_mm::triton_focused_attention_backward': triton_backend._backward_impl,
              'flatten_mm::triton_local_conv_add': triton_conv._add_impl,
-             'flatten_mm::triton_local_conv_add_backward': triton_conv._backward_impl}
+             'flatten_mm::triton_local_conv_add_backward': triton_conv._backward_impl,
+             'flatten_mm::triton_attention_local': triton_fused._forward_impl,
+             'flatten_mm::triton_attention_local_backward': triton_fused._backward_impl}
     launches = []
 
     def record(name: str, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> None:

@@ -38,7 +38,8 @@ from benchmark_backbone import Case, check_model_names, parse_size  # noqa: E402
 # op name fragments -> family; the first match wins
 FAMILIES = [
     ('attention', ('scaled_dot_product', '_flash_attention', '_efficient_attention', 'softmax',
-                   'flatten_mm::triton_focused_attention')),
+                   'flatten_mm::triton_focused_attention',
+                   'flatten_mm::triton_attention_local')),  # (the latter with its DWC)
     ('conv', ('conv', 'mkldnn_convolution', 'thnn_conv')),  # flatten_mm::triton_local_conv_add too
     ('matmul', ('addmm', 'aten::mm', 'bmm', 'matmul', 'linear', 'einsum', 'baddbmm', 'dot',
                 'vecdot')),

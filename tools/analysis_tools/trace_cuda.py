@@ -136,7 +136,7 @@ def graph_ops(gm) -> tuple:
         if node.op == 'call_function':
             target = str(node.target)  # flatten_mm.NAME; torch's functions by their name
             ops[target if 'flatten_mm' in target else getattr(node.target, '__name__', target)] += 1
-            if 'triton_focused_attention' in str(node.target):
+            if 'triton_focused_attention' in target or 'triton_attention_local' in target:
                 dtypes.add(str(node.args[0].meta['example_value'].dtype))
     return ops, dtypes
 
@@ -307,10 +307,12 @@ def first_use_checks_passed():
     state restored): the tensor caches keep fake tensors, and the Triton ops'
     first-use checks, which run kernels, pass."""
     from flatten_mm.models import utils
+    from flatten_mm.models import ops
     from flatten_mm.models.ops import triton_backend, triton_conv
+    fused = getattr(ops, 'triton_fused', None)  # (a checkout from before it has none)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
-        for module in (triton_backend, triton_conv):
+        for module in (triton_backend, triton_conv) + ((fused, ) if fused else ()):
             stack.enter_context(mock.patch.object(module, '_agrees_on_first_use', lambda *a: True))
             stack.enter_context(mock.patch.dict(module._KERNELS))  # 'ran' on the first call
         yield

@@ -301,6 +301,14 @@ def check_dtypes(q: Tensor, k: Tensor, v: Tensor) -> None:
                              f'{x.dtype}')
 
 
+def check_head_dim(C: int, num_heads: int) -> None:
+    """ValueError unless the heads are at most :data:`MAX_HEAD_DIM` wide."""
+    d = C // num_heads
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"the 'triton' attention backend takes head widths up to "
+                         f'{MAX_HEAD_DIM}, got d={d} (C={C}, num_heads={num_heads})')
+
+
 def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,
                    num_heads: int, key_mask: Optional[Tensor] = None,
                    overwrite_qk: bool = False) -> Tensor:
@@ -308,10 +316,7 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
     forward op, taking the raw ``scale`` (the kernels make 1 / softplus of it,
     and its gradient). ``overwrite_qk`` is moot (q and k are only read)."""
     check_dtypes(q, k, v)
-    d = q.shape[-1] // num_heads
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"the 'triton' attention backend takes head widths up to "
-                         f'{MAX_HEAD_DIM}, got d={d} (C={q.shape[-1]}, num_heads={num_heads})')
+    check_head_dim(q.shape[-1], num_heads)
     return run_guarded(
         _KERNELS, 'attention backend',
         lambda: _kernels_op(q, k, v, scale, focusing_factor, num_heads, key_mask),

@@ -60,11 +60,12 @@ def _add_impl(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, extra_weight
     if P:
         result[:, :P] = out[:, :P]
     kernels().conv_add(channel_rows(x), weight.contiguous(), bias.contiguous(), out[:, P:], (H, W),
-                       out=result[:, P:], extra=_extra(extra_weight, extra_bias))
+                       out=result[:, P:], extra=extra_part(extra_weight, extra_bias))
     return result
 
 
-def _extra(weight: Optional[Tensor], bias: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
+def extra_part(weight: Optional[Tensor], bias: Optional[Tensor]
+               ) -> Optional[Tuple[Tensor, Tensor]]:
     """The extra part (contiguous), or None."""
     return None if weight is None else (weight.contiguous(), bias.contiguous())
 
@@ -82,7 +83,7 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor,
     """Gradients of x and of the kernel's parts (empty for an absent extra part)."""
     ks, x = kernels(), channel_rows(x)
     grad = channel_rows(grad)[:, grad.shape[1] - H * W:]  # the grid's rows
-    extra = _extra(extra_weight, extra_bias)
+    extra = extra_part(extra_weight, extra_bias)
     weight, bias = weight.contiguous(), bias.contiguous()
     grad_x = ks.conv_add(grad, weight, None, None, (H, W), flip=True, dtype=x.dtype, extra=extra)
     grads = ks.weight_grad(grad, x, weight, bias, (H, W), extra)

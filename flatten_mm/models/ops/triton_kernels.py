@@ -737,12 +737,12 @@ def fuses_query_passes(cap: Tuple[int, int]) -> bool:
 
 
 def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, scale: Tensor, kv: Tensor, km: Tensor,
-                    stats_q: Tensor, p: float, h: int, qp: Plan, ds: Tensor
-                    ) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, and the gradients of KV and km; the chunks' partial gradients of the
-    raw scale through q into ``ds`` (qp.chunks, B * h, d). One head, where
-    :func:`fuses_query_passes`: one pass (the dq pass makes the partials too);
-    else two."""
+                    stats_q: Tensor, p: float, h: int, qp: Plan, ds: Tensor, dq: Tensor
+                    ) -> Tuple[Tensor, Tensor]:
+    """dq (written into ``dq``) and the gradients of KV and km; the chunks'
+    partial gradients of the raw scale through q into ``ds`` (qp.chunks, B * h,
+    d). One head, where :func:`fuses_query_passes`: one pass (the dq pass makes
+    the partials too); else two."""
     B, N, C = q.shape
     d, fused = C // h, h == 1 and fuses_query_passes(capability(q.device))
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -755,28 +755,26 @@ def _query_backward(g: Tensor, q: Tensor, s_inv: Tensor, scale: Tensor, kv: Tens
         _query_state_grad_kernel[grid](
             q, g, stats_q, s_inv, kv, km, gc, dkv_part, dkm_part, N, h, d, q.stride(0),
             q.stride(1), g.stride(0), g.stride(1), p, qp.blocks_per_prog, **_launch_opts(qp))
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _query_grad_kernel[grid](
         q, g, stats_q, s_inv, scale, kv, km, gc, dq, ds, dkv_part, dkm_part, N, h, d,
         q.stride(0), q.stride(1), g.stride(0), g.stride(1), dq.stride(0), dq.stride(1), p,
         qp.blocks_per_prog, WHOLE_ROWS=fused, BH=triton.next_power_of_2(h), **_launch_opts(qp))
-    return (dq, *summed_states(dkv_part, dkm_part, (B, h, d), qp.bd))
+    return summed_states(dkv_part, dkm_part, (B, h, d), qp.bd)
 
 
 def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, scale: Tensor, dkv: Tensor, dkm: Tensor,
                   stats_k: Tensor, p: float, h: int, key_mask: Optional[Tensor],
-                  inv_count: Tensor, kp: Plan, ds: Tensor) -> Tuple[Tensor, Tensor]:
-    """dk and dv from the gradients of KV and km; the chunks' partial gradients of
-    the raw scale through k into ``ds`` (kp.chunks, B * h, d). One head: one pass (the
-    dk pass writes dv too); else two. Each key's share is the scalar 1 / n
-    without a key mask, with one its image's 1 / count, ``inv_count`` (B,)
-    from the forward's state sum."""
+                  inv_count: Tensor, kp: Plan, ds: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """dk and dv, into ``dk`` and ``dv``, from the gradients of KV and km; the
+    chunks' partial gradients of the raw scale through k into ``ds`` (kp.chunks,
+    B * h, d). One head: one pass (the dk pass writes dv too); else two. Each
+    key's share is the scalar 1 / n without a key mask, with one its image's
+    1 / count, ``inv_count`` (B,) from the forward's state sum."""
     B, n, C = k.shape
     d, whole = C // h, h == 1
     f32 = dict(dtype=torch.float32, device=k.device)
     mask, stride_m, has_mask = _mask_args(key_mask, stats_k)
     inv = stats_k if key_mask is None else inv_count  # (a stand-in: unread)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     gc = inv  # read only with several heads
     if not whole:
         gc = torch.empty((B, n, h), **f32)
@@ -784,20 +782,21 @@ def _key_backward(k: Tensor, v: Tensor, s_inv: Tensor, scale: Tensor, dkv: Tenso
             k, v, mask, stats_k, s_inv, dkv, dkm, inv, 1.0 / n, gc, dv, n, h, d, k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), stride_m, dv.stride(0), dv.stride(1), p,
             HAS_MASK=has_mask, **_launch_opts(kp))
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _key_grad_kernel[(B * h, kp.chunks)](
         k, v, mask, stats_k, s_inv, scale, dkv, dkm, inv, 1.0 / n, gc, dk, ds, dv, n, h, d,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_m, dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), p, kp.blocks_per_prog, HAS_MASK=has_mask, WHOLE_ROWS=whole,
         BH=triton.next_power_of_2(h), **_launch_opts(kp))
-    return dk, dv
 
 
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, s_inv: Tensor,
              kv: Tensor, km: Tensor, stats_q: Tensor, stats_k: Tensor, inv_count: Tensor,
-             p: float, num_heads: int, key_mask: Optional[Tensor]) -> Tuple[Tensor, ...]:
+             p: float, num_heads: int, key_mask: Optional[Tensor],
+             grads: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, ...]:
     """Gradients for q, k, v and the raw scale (fp32, (C,)) given that of out
-    (``s_inv`` and ``inv_count``: the forward's). The query and key passes
+    (``s_inv`` and ``inv_count``: the forward's); q's, k's and v's written into
+    ``grads`` if given (tensors of their shapes and dtypes, unit channel stride:
+    column slices of one buffer, :mod:`.triton_fused`). The query and key passes
     write their chunks' partial gradients of the scale (through s_inv and
     softplus: :func:`_store_scale_grad`) into one buffer, chunk-major, so that
     one sum gives the scale's."""
@@ -808,8 +807,9 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Tensor, s
     qp = plan(N, B * h, d, v.dtype, sm_count(q.device), backward=True)
     kp = plan(n, B * h, d, v.dtype, sm_count(k.device), backward=True)
     ds = torch.empty((qp.chunks + kp.chunks, B * h, d), dtype=torch.float32, device=q.device)
-    dq, dkv, dkm = _query_backward(grad_out, q, s_inv, scale, kv, km, stats_q, p, h, qp,
-                                   ds[:qp.chunks])
-    dk, dv = _key_backward(k, v, s_inv, scale, dkv, dkm, stats_k, p, h, key_mask, inv_count,
-                           kp, ds[qp.chunks:])
+    dq, dk, dv = grads if grads is not None else (x.new_empty(x.shape) for x in (q, k, v))
+    dkv, dkm = _query_backward(grad_out, q, s_inv, scale, kv, km, stats_q, p, h, qp,
+                               ds[:qp.chunks], dq)
+    _key_backward(k, v, s_inv, scale, dkv, dkm, stats_k, p, h, key_mask, inv_count, kp,
+                  ds[qp.chunks:], dk, dv)
     return dq, dk, dv, ds.view(-1, B, h, d).sum((0, 1)).reshape(C)

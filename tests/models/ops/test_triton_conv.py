@@ -390,12 +390,15 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch):
     def recording(device):
         entered.append(device)
         return contextlib.nullcontext()
-    monkeypatch.setattr(tb, 'on_device', recording)  # kernel_impl's, for all four ops
+    monkeypatch.setattr(tb, 'on_device', recording)  # kernel_impl's, for all six ops
     layer = FocusedLinearAttention(32, 2).to(DEVICE)
     x = torch.randn(2, 20, 32, device=DEVICE)
     with use_backend('triton'):
         layer(x, (4, 5)).sum().backward()
-    assert entered == [x.device] * 4  # attention, conv; their backwards
+        assert entered == [x.device] * 2  # the attention with its DWC as one op; backward
+        layer.fuse_local_term = False
+        layer(x, (4, 5)).sum().backward()
+    assert entered == [x.device] * 6  # then as two: attention, conv; their backwards
     assert isinstance(real(torch.device('cpu')), contextlib.nullcontext)
     guard = real(torch.device('cuda', 1))  # made, not entered: no GPU needed
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1

@@ -1,0 +1,65 @@
+"""The attention term and the local term of a layer as one call:
+``focused_linear_attention(q, k, v) + DWC(v)`` for q, k, v the column thirds of
+one (B, H*W, 3C) product, with every query seeing every key (no key mask, no
+reduced keys, no prefix tokens).
+
+Op ``'attention_local'`` of the backend switch (:func:`.dispatch.set_backend`).
+Its ``'torch'`` backend is the two ops in turn (each choosing its own backend);
+the ``'triton'`` one (:mod:`.triton_fused`) runs both ops' kernels in one custom
+op, whose backward writes the gradients of q, k and v into one buffer, v's two
+summed in place: the two ops' backward ended in a ``cat`` of the three (the
+product's gradient) and an ``add`` of v's, two passes over (B, H*W, C) maps
+that this op does not make.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .conv import Extra, depthwise_conv_add
+from .dispatch import backend_of, focused_linear_attention, register_backend
+
+
+def split_qkv(qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k, v: the column thirds of (B, N, 3C) ``qkv``, as views."""
+    return qkv.split(qkv.shape[-1] // 3, -1)
+
+
+def check_local_call(qkv: Tensor, hw_shape: Tuple[int, int]) -> None:
+    """ValueError naming the value unless qkv is (B, H*W, 3C) with C >= 1."""
+    if qkv.dim() != 3 or qkv.shape[-1] % 3 or not qkv.shape[-1] or \
+            qkv.shape[1] != hw_shape[0] * hw_shape[1]:
+        raise ValueError(f'qkv must be (B, H*W, 3C) with (H, W) = {tuple(hw_shape)}, '
+                         f'got {tuple(qkv.shape)}')
+
+
+def torch_attention_local(qkv: Tensor, scale: Tensor, focusing_factor: float, num_heads: int,
+                          hw_shape: Tuple[int, int], weight: Tensor, bias: Optional[Tensor],
+                          extra: Extra = None, overwrite_qk: bool = False) -> Tensor:
+    """The two ops in turn (:func:`attention_with_local_term`'s signature)."""
+    q, k, v = split_qkv(qkv)
+    out = focused_linear_attention(q, k, v, scale, focusing_factor, num_heads, None,
+                                   overwrite_qk)
+    return depthwise_conv_add(out, v, hw_shape, weight, bias, extra)
+
+
+def attention_with_local_term(qkv: Tensor, scale: Tensor, focusing_factor: float,
+                              num_heads: int, hw_shape: Tuple[int, int], weight: Tensor,
+                              bias: Optional[Tensor], extra: Extra = None,
+                              overwrite_qk: bool = False) -> Tensor:
+    """``focused_linear_attention(q, k, v, scale, focusing_factor, num_heads) +
+    depthwise_conv_add``'s DWC(v) on the ``hw_shape`` grid, for q, k, v the
+    column thirds of ``qkv`` (B, H*W, 3C); the conv's kernel in parts
+    (``weight``, ``bias``, ``extra``: :func:`.conv.depthwise_conv_add`).
+    ``overwrite_qk``: q and k may be overwritten when no gradient is recorded.
+    (B, H*W, C) in qkv's dtype. A backend with a fused form (``'triton'``,
+    registered with the tensors ``'auto'`` sends it: ``supports(qkv, num_heads,
+    weight, bias, extra)``) takes it; otherwise the two ops, each on its own
+    backend."""
+    check_local_call(qkv, hw_shape)
+    fn = backend_of('attention_local', qkv, num_heads, weight, bias, extra)
+    return fn(qkv, scale, focusing_factor, num_heads, hw_shape, weight, bias, extra,
+              overwrite_qk)
+
+
+register_backend('torch', torch_attention_local, op='attention_local')
