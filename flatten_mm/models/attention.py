@@ -115,6 +115,34 @@ def stacked_linear(x: Tensor, *linears: nn.Linear) -> Tensor:
     return F.linear(autocast_input(x).reshape(-1, x.shape[-1]), stacked('weight'), stacked('bias'))
 
 
+def stacked_qkv(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
+    """A layer's q, k and v side by side, (B, N, 3C), for keys on the query grid
+    (``sr_ratio=1``): one product of x by the ``q`` and ``kv`` weights stacked,
+    k with its positional encoding added in place."""
+    B, C = x.shape[0], layer.embed_dims
+    qkv = stacked_linear(autocast_input(x), layer.q, layer.kv)
+    return layer.add_positional_encoding_(qkv, tuple(hw_shape), C, B).view(B, -1, 3 * C)
+
+
+def fuses_local_term(layer: nn.Module) -> bool:
+    """Whether a layer's unmasked calls take its attention and local term as one
+    call (:func:`attend_with_local_term`): the focused design with a DWC or
+    LePE, keys on the query grid, no prefix tokens, and ``fuse_local_term``
+    (a class attribute; a benchmark that swaps the core turns it off)."""
+    return (layer.fuse_local_term and layer.attn_design == 'focused' and layer.sr_ratio == 1
+            and not layer.num_prefix_tokens and local_kernel(layer) is not None)
+
+
+def attend_with_local_term(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
+    """The attention term plus DWC(V) (+ LePE) of a layer that
+    :func:`fuses_local_term`, on x (B, H*W, C): one call
+    (:func:`~flatten_mm.models.ops.attention_with_local_term`; one op each way
+    on the Triton backend, which writes the product's gradient at once)."""
+    return attention_with_local_term(stacked_qkv(layer, x, hw_shape), layer.scale,
+                                     layer.focusing_factor, layer.num_heads, hw_shape,
+                                     *local_kernel(layer), overwrite_qk=True)
+
+
 def refuse_torchscript(module: nn.Module):
     """``__prepare_scriptable__`` of the layer: torch.jit.script calls it on
     every submodule before compiling."""
@@ -199,9 +227,7 @@ class FocusedLinearAttention(nn.Module):
                 f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}, '
                 f'design={self.attn_design!r}')
 
-    #: False: every call runs the attention and its local term as two ops
-    #: (:meth:`fuses_local_term`); a benchmark that swaps the core sets it
-    fuse_local_term = True
+    fuse_local_term = True  # False: always as two ops (:func:`fuses_local_term`)
 
     __prepare_scriptable__ = refuse_torchscript  # torch.jit.script calls it on every submodule
 
@@ -228,23 +254,13 @@ class FocusedLinearAttention(nn.Module):
         cast once each (autocast casts a weight's slices apart).
         """
         B, C, x = x.shape[0], self.embed_dims, autocast_input(x)  # once for q and the reduction
-        if self.sr_ratio > 1:
-            q = self.q(x)
-            x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
-            k, v = self.add_positional_encoding_(stacked_linear(x, self.kv), grid, 0, B).view(
-                B, -1, 2 * C).split(C, -1)
-        else:
-            grid = tuple(hw_shape)
-            q, k, v = split_qkv(self.project_stacked(x, grid))
+        if self.sr_ratio == 1:  # (stacked_qkv)
+            return (*split_qkv(stacked_qkv(self, x, hw_shape)), tuple(hw_shape))
+        q = self.q(x)
+        x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
+        k, v = self.add_positional_encoding_(stacked_linear(x, self.kv), grid, 0, B).view(
+            B, -1, 2 * C).split(C, -1)
         return q, k, v, grid
-
-    def project_stacked(self, x: Tensor, hw_shape: HWShape) -> Tensor:
-        """q, k and v side by side, (B, N, 3C), keys on the query grid
-        (``sr_ratio=1``): :meth:`project_qkv`'s one product, k with its
-        positional encoding added in place."""
-        B, C = x.shape[0], self.embed_dims
-        qkv = stacked_linear(autocast_input(x), self.q, self.kv)
-        return self.add_positional_encoding_(qkv, tuple(hw_shape), C, B).view(B, -1, 3 * C)
 
     def conv_on_grid(self, x: Tensor, grid: HWShape, conv, size: Optional[HWShape] = None
                      ) -> Tensor:
@@ -271,26 +287,14 @@ class FocusedLinearAttention(nn.Module):
         """
         P = self.num_prefix_tokens
         check_attention_input(x, hw_shape, key_mask, self.embed_dims, self.sr_ratio, P)
-        if key_mask is None and self.fuses_local_term():
-            kernel = local_kernel(self)
-            out = attention_with_local_term(
-                self.project_stacked(x, hw_shape), self.scale, self.focusing_factor,
-                self.num_heads, hw_shape, *kernel, overwrite_qk=True)
-            return self.proj_drop(self.proj(out))
+        if key_mask is None and fuses_local_term(self):
+            return self.proj_drop(self.proj(attend_with_local_term(self, x, hw_shape)))
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
         out = self.attend(q, k, v, key_mask, overwrite_qk=True, grids=(hw_shape, grid))
         out = add_local_term(self, out, v, grid, hw_shape)
         return self.proj_drop(self.proj(out))
-
-    def fuses_local_term(self) -> bool:
-        """Whether an unmasked call runs the attention and its local term as one
-        call (:func:`~flatten_mm.models.ops.attention_with_local_term`; one op
-        on the Triton backend): the focused design with a DWC or LePE, keys on
-        the query grid, no prefix tokens, and :attr:`fuse_local_term`."""
-        return (self.fuse_local_term and self.attn_design == 'focused' and self.sr_ratio == 1
-                and not self.num_prefix_tokens and local_kernel(self) is not None)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
                overwrite_qk: bool = False, grids: Optional[Tuple[HWShape, HWShape]] = None

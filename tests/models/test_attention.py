@@ -419,3 +419,35 @@ def test_half_k_plus_its_encoding_is_rounded_once():
     assert torch.equal(got.view(2, 30, 24)[..., 8:16], want.detach().to(torch.bfloat16))
     got.float().sum().backward()
     assert pos.grad.dtype == torch.float32 and torch.isfinite(pos.grad).all()
+
+
+@pytest.mark.parametrize('kwargs,fused', [
+    (dict(), True),  # FLatten-PVT's and -Swin's layers: DWC, keys on the query grid
+    (dict(lepe=True), True),  # FLatten-CSwin's: DWC + LePE
+    (dict(kernel_size=0, lepe=True), True),  # LePE alone
+    (dict(kernel_size=0), False),  # no local term
+    (dict(sr_ratio=2), False),  # reduced keys: V resized first
+    (dict(num_prefix_tokens=1), False),  # a class token takes no DWC term
+    (dict(design='angular'), False),  # another design's core
+])
+def test_which_layers_take_one_call(monkeypatch, kwargs, fused):
+    """An unmasked call takes the one call where the layer's attention is the
+    focused core with a local term on the query grid; a masked call, or any
+    call with ``fuse_local_term`` off, two ops. Same output either way."""
+    from flatten_mm.models import attention
+    from flatten_mm.models.ops import attention_with_local_term as real
+    layer = FocusedLinearAttention(16, 2, **kwargs)
+    assert attention.fuses_local_term(layer) == fused
+    calls = []
+    monkeypatch.setattr(attention, 'attention_with_local_term',
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = torch.randn(2, layer.num_prefix_tokens + 20, 16)
+    with torch.no_grad():
+        one = layer(x, (4, 5))
+        assert len(calls) == fused
+        layer(x, (4, 5), torch.ones(2, x.shape[1], dtype=torch.bool) if not
+              layer.sr_ratio > 1 else None)
+        layer.fuse_local_term = False
+        two = layer(x, (4, 5))
+    assert len(calls) == fused
+    torch.testing.assert_close(one, two, rtol=0, atol=0)
