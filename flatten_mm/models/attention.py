@@ -127,10 +127,18 @@ def stacked_qkv(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
 def fuses_local_term(layer: nn.Module) -> bool:
     """Whether a layer's unmasked calls take its attention and local term as one
     call (:func:`attend_with_local_term`): the focused design with a DWC or
-    LePE, keys on the query grid, no prefix tokens, and ``fuse_local_term``
-    (a class attribute; a benchmark that swaps the core turns it off)."""
+    LePE, keys on the query grid, no prefix tokens, its own ``attend`` and
+    ``project_qkv`` (not replaced in a subclass or on the instance, which the
+    one call would bypass), and ``fuse_local_term`` (a class attribute)."""
     return (layer.fuse_local_term and layer.attn_design == 'focused' and layer.sr_ratio == 1
-            and not layer.num_prefix_tokens and local_kernel(layer) is not None)
+            and not layer.num_prefix_tokens and local_kernel(layer) is not None
+            and all(_own_method(layer, name) for name in ('attend', 'project_qkv')))
+
+
+def _own_method(layer: nn.Module, name: str) -> bool:
+    """Whether ``layer.name`` is :class:`FocusedLinearAttention`'s own method."""
+    return name not in vars(layer) and \
+        getattr(type(layer), name) is getattr(FocusedLinearAttention, name)
 
 
 def attend_with_local_term(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
@@ -227,7 +235,7 @@ class FocusedLinearAttention(nn.Module):
                 f'kernel_size={self.kernel_size}, pos_grid={self.pos_grid}, '
                 f'design={self.attn_design!r}')
 
-    fuse_local_term = True  # False: always as two ops (:func:`fuses_local_term`)
+    fuse_local_term = True  # False: two ops (attend, the local term) in every call
 
     __prepare_scriptable__ = refuse_torchscript  # torch.jit.script calls it on every submodule
 

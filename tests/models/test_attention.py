@@ -451,3 +451,26 @@ def test_which_layers_take_one_call(monkeypatch, kwargs, fused):
         two = layer(x, (4, 5))
     assert len(calls) == fused
     torch.testing.assert_close(one, two, rtol=0, atol=0)
+
+
+def test_a_replaced_attend_or_projection_is_not_bypassed():
+    """A layer whose attend or project_qkv is replaced, on the instance or in a
+    subclass, takes the two ops (the one call would bypass the replacement)."""
+    from flatten_mm.models.attention import fuses_local_term
+
+    class Other(FocusedLinearAttention):
+        def attend(self, q, k, v, key_mask, overwrite_qk=False, grids=None):
+            return q * 0
+
+    layer = FocusedLinearAttention(16, 2)
+    assert fuses_local_term(layer)
+    layer.project_qkv = lambda x, hw: FocusedLinearAttention.project_qkv(layer, x, hw)
+    assert not fuses_local_term(layer)
+    other = Other(16, 2)
+    assert not fuses_local_term(other)
+    x = torch.randn(1, 20, 16)
+    with torch.no_grad():  # the output is the DWC term alone: the subclass's core ran
+        from flatten_mm.models.attention import add_local_term
+        v = other.project_qkv(x, (4, 5))[2]
+        want = other.proj(add_local_term(other, torch.zeros(1, 20, 16), v, (4, 5), (4, 5)))
+        torch.testing.assert_close(other(x, (4, 5)), want)

@@ -200,14 +200,14 @@ def test_drop_path_rates_do_not_recompile_blocks(monkeypatch):
     rates must share that code (no guard on the rate), i.e. compile as many
     graphs as blocks that all have the same rate, and Swin's shift adds at
     most one variant."""
-    from flatten_mm.models.attention import FocusedLinearAttention
+    from flatten_mm.models import attention
     from flatten_mm.models.backbones.flatten_swin import SwinBlock
-    project = FocusedLinearAttention.project_qkv
+    project = attention.stacked_qkv  # the projection of every layer here, masked or not
 
-    def project_with_break(self, *args):
+    def project_with_break(*args):
         torch._dynamo.graph_break()
-        return project(self, *args)
-    monkeypatch.setattr(FocusedLinearAttention, 'project_qkv', project_with_break)
+        return project(*args)
+    monkeypatch.setattr(attention, 'stacked_qkv', project_with_break)
 
     class Blocks(torch.nn.Sequential):
         def forward(self, x):
@@ -223,8 +223,9 @@ def test_drop_path_rates_do_not_recompile_blocks(monkeypatch):
         compiled = torch.compile(blocks, backend=recording_backend(graphs, aot=False))
         compiled(torch.randn(2, 64, 16, requires_grad=True)).sum().backward()
         counts.append(len(graphs))
-    # a few parts per block (split at the breaks), each shifted or not: not 8 x parts
-    assert counts[0] == counts[1] <= 12, counts
+    # a few parts per block (split at the breaks), each shifted or not (the shifted
+    # blocks' masked layers take two ops, the others one call): not 8 x parts
+    assert counts[0] == counts[1] <= 14, counts
 
 
 @pytest.mark.parametrize('kind', sorted(BACKBONES))

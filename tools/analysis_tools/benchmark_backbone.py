@@ -267,8 +267,8 @@ def with_attention_variant(model, variant: str):
             m.forward = types.MethodType(forwards[variant], m)
         elif variant == 'identity':  # out = q: no focusing map, no state, no sums; a
             # new tensor, as any core writes (q is a view of the layer's q, k, v product)
+            # (a layer whose attend is replaced runs its core and DWC as two ops)
             m.attend = lambda q, k, v, key_mask, overwrite_qk=False, grids=None: q.clone()
-            m.fuse_local_term = False  # the core and its local term through attend
     return model
 
 

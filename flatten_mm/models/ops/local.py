@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .conv import Extra, depthwise_conv_add
-from .dispatch import backend_of, focused_linear_attention, register_backend
+from .dispatch import backend_of, check_call, focused_linear_attention, register_backend
 
 
 def split_qkv(qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -57,6 +57,7 @@ def attention_with_local_term(qkv: Tensor, scale: Tensor, focusing_factor: float
     weight, bias, extra)``) takes it; otherwise the two ops, each on its own
     backend."""
     check_local_call(qkv, hw_shape)
+    check_call(*split_qkv(qkv), scale, focusing_factor, num_heads, None)
     fn = backend_of('attention_local', qkv, num_heads, weight, bias, extra)
     return fn(qkv, scale, focusing_factor, num_heads, hw_shape, weight, bias, extra,
               overwrite_qk)

@@ -13,11 +13,13 @@ third in place (each element read and written by the same program), and the
 weight-gradient sweep makes the kernel parts' gradients. Against the two ops
 (:mod:`.triton_backend`, :mod:`.triton_conv`), the backward has no ``cat`` and
 no ``add`` of v's two gradients; the forward and the kernels are the same
-(v's gradient is rounded once, not three times).
+(v's gradient is rounded twice, the attention's part as it is stored and then
+the sum, where the two ops rounded each part and their sum).
 
 ``'auto'`` takes it where it would take both ops' Triton forms; its first use
-of a configuration is checked by theirs (:func:`_agrees_on_first_use`), and a
-failure on its first call falls back to the two ops.
+of a configuration is checked against the two ops' PyTorch forms
+(:func:`_agrees_on_first_use`), and a failure on its first call falls back to
+the two ops.
 """
 from typing import Any, Optional, Tuple
 
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from . import triton_backend as tb
 from . import triton_conv as tc
-from .conv import Extra
+from .conv import Extra, torch_conv_add
 from .dispatch import register_backend, register_op_pair
 from .local import split_qkv, torch_attention_local
 
@@ -124,11 +126,34 @@ def _kernels_op(qkv: Tensor, scale: Tensor, focusing_factor: float, num_heads: i
 def _agrees_on_first_use(qkv: Tensor, scale: Tensor, focusing_factor: float, num_heads: int,
                          hw_shape: Tuple[int, int], weight: Tensor, bias: Tensor,
                          extra: Extra) -> bool:
-    """The two ops' first-use checks on the same tensors (the kernels this op
-    runs); the op's own arithmetic is theirs, in a different order of buffers."""
-    q, k, v = split_qkv(qkv)
-    return (tb._agrees_on_first_use(q, k, v, scale, focusing_factor, num_heads, None) and
-            tc._agrees_on_first_use(v, v, hw_shape, weight, bias, extra))
+    """:func:`.triton_backend.agrees_once` for the op itself (its in-place conv
+    into v's gradient and its writes into the product's gradient are not the
+    two ops' code): against the two ops' PyTorch forms, with the attention
+    kernels' tolerance. A configuration is the two ops' keys together; the
+    probe takes the conv check's images (enough for a row block to span two)."""
+    B, N, C3 = qkv.shape
+    C, h, parts = C3 // 3, num_heads, (weight, bias, *(extra or ()))
+    key = ('attention_local', qkv.device, qkv.dtype, C // h, h == 1, C,
+           tb.exact_fp32(qkv.dtype), scale.dtype,
+           tuple((tuple(t.shape), t.dtype) for t in parts))
+    if tb.settled(key):
+        return True
+    if N < 2:  # one key: q's and k's gradients are eps-sized noise, no test
+        return True
+    n = min(B, -(-2 * tc.kernels().conv_plan(1, C).block_p // N))
+
+    def theirs(qkv: Tensor, scale: Tensor, weight: Tensor, bias: Tensor, *extra: Tensor
+               ) -> Tensor:
+        q, k, v = split_qkv(qkv)
+        out = tb._torch_backend(q, k, v, scale, focusing_factor, h, None, False)
+        return torch_conv_add(out, v, hw_shape, weight, bias, extra or None, inplace=False)
+    return tb.agrees_once(
+        key, lambda *t: _kernels_op(t[0], t[1], focusing_factor, h, hw_shape, t[2], t[3],
+                                    t[4:] or None),
+        theirs, (qkv[:n], scale, *parts),
+        ('out', 'qkv', 'scale', 'weight', 'bias', 'extra weight', 'extra bias'),
+        'attention and depth-wise conv kernels', f'head width {C // h}, {h} heads, C={C}',
+        tol=tb.agree_tol(qkv.dtype))
 
 
 def triton_attention_local(qkv: Tensor, scale: Tensor, focusing_factor: float, num_heads: int,

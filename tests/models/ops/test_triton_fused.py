@@ -4,9 +4,10 @@ the two Triton ops it replaces and the 'torch' backend.
 Without CUDA the kernels run under Triton's CPU interpreter (conftest.py). The
 one op runs the two ops' kernels on the same inputs, so its output and the
 gradients of q, k, the scale and the conv's kernel are theirs bit for bit; v's
-gradient is the sum of the same two terms, rounded once (in place) where the
-two ops rounded each term and then their sum: within two units of the dtype's
-roundoff of it (fp32 2^-24, bf16 2^-8), asserted at 1e-6 and 1e-2 relative.
+gradient is the sum of the same two terms, the conv's added in fp32 to the
+stored attention term (two roundings, where the two ops rounded each term and
+then their sum): within two units of the dtype's roundoff of it (fp32 2^-24,
+bf16 2^-8), asserted at 1e-6 and 1e-2 relative.
 """
 import warnings
 
@@ -18,6 +19,7 @@ from flatten_mm.models import FocusedLinearAttention
 from flatten_mm.models.designs import local_kernel
 from flatten_mm.models.ops import attention_with_local_term, use_backend
 from flatten_mm.models.ops import triton_backend as tb
+from flatten_mm.models.ops import triton_conv as tc
 from flatten_mm.models.ops import triton_fused as tf
 from flatten_mm.models.ops.local import torch_attention_local
 
@@ -155,10 +157,11 @@ def test_compile_fullgraph_one_op_each():
         torch.testing.assert_close(a, b)
 
 
-def test_first_use_takes_both_ops_checks_and_a_wrong_kernel_falls_back(monkeypatch):
-    """Under 'auto' a configuration's first call is checked by the attention's and
-    the conv's own first-use checks (once); a wrong kernel warns, returns the
-    two ops' PyTorch result and sends the process to the 'torch' backend."""
+def test_first_use_checked_once_and_a_wrong_kernel_falls_back(monkeypatch):
+    """Under 'auto' a configuration's first call is checked against the two ops'
+    PyTorch forms (once); a wrong attention kernel, or a wrong in-place conv
+    into v's gradient (the op's own code), warns with the errors, returns the
+    PyTorch result and sends the process to the 'torch' backend."""
     monkeypatch.setattr(tb, 'get_backend', lambda: 'auto')
     monkeypatch.setattr(tb, '_AGREED', set())
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
@@ -169,18 +172,30 @@ def test_first_use_takes_both_ops_checks_and_a_wrong_kernel_falls_back(monkeypat
         warnings.simplefilter('error')
         got = tf.triton_attention_local(*args)
         tf.triton_attention_local(*args)
-    assert sorted(key[0] for key in tb._AGREED) == ['attention', 'conv']
+    assert [key[0] for key in tb._AGREED] == ['attention_local']
     with use_backend('torch'):
         want = torch_attention_local(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    kernels = tb.kernels()
-    real = kernels.forward
-    monkeypatch.setattr(kernels, 'forward', lambda *a: (real(*a)[0] * 1.5, *real(*a)[1:]))
+    conv = tc.kernels()
+    real = conv.conv_add
+
+    def wrong_in_place(*a, **kw):  # the backward's conv of the gradient into dv, doubled
+        return real(*a, **kw) if not kw.get('flip') else kw['out'].mul_(2)
+    monkeypatch.setattr(conv, 'conv_add', wrong_in_place)
     monkeypatch.setattr(tb, '_AGREED', set())
-    with pytest.warns(RuntimeWarning, match='attention kernels disagree'):
+    with pytest.warns(RuntimeWarning, match=r'conv kernels disagree .*qkv'):
         got = tf.triton_attention_local(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not tb._KERNELS['importable']
+    monkeypatch.setattr(conv, 'conv_add', real)
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    kernels = tb.kernels()
+    forward = kernels.forward
+    monkeypatch.setattr(kernels, 'forward', lambda *a: (forward(*a)[0] * 1.5, *forward(*a)[1:]))
+    monkeypatch.setattr(tb, '_AGREED', set())
+    with pytest.warns(RuntimeWarning, match=r'conv kernels disagree .*relative errors out'):
+        got = tf.triton_attention_local(*args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_clear_errors():
@@ -190,6 +205,14 @@ def test_clear_errors():
             attention_with_local_term(qkv.double(), layer.scale, 3.0, 1, (4, 4), weight, bias)
         with pytest.raises(ValueError, match=r"bias of shape \(16,\), got None"):
             attention_with_local_term(qkv, layer.scale, 3.0, 1, (4, 4), weight, None)
+        # the attention's own checks (the kernels would leave channels unset, or read
+        # past the scale)
+        with pytest.raises(ValueError, match=r'num_heads must be a positive divisor of C=16'):
+            attention_with_local_term(qkv, layer.scale, 3.0, 3, (4, 4), weight, bias)
+        with pytest.raises(ValueError, match=r'scale must hold C=16 elements, got shape \(8,\)'):
+            attention_with_local_term(qkv, torch.zeros(8), 3.0, 1, (4, 4), weight, bias)
+        with pytest.raises(ValueError, match=r'focusing_factor must be a positive number'):
+            attention_with_local_term(qkv, layer.scale, -1.0, 1, (4, 4), weight, bias)
         wide = torch.randn(1, 16, 3 * 256)
         with pytest.raises(ValueError, match=r'head widths up to 128, got d=256'):
             attention_with_local_term(wide, torch.zeros(256), 3.0, 1, (4, 4),
