@@ -127,11 +127,11 @@ def stacked_qkv(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
 def fuses_local_term(layer: nn.Module) -> bool:
     """Whether a layer's unmasked calls take its attention and local term as one
     call (:func:`attend_with_local_term`): the focused design with a DWC or
-    LePE, keys on the query grid, no prefix tokens, its own ``attend`` and
-    ``project_qkv`` (not replaced in a subclass or on the instance, which the
-    one call would bypass), and ``fuse_local_term`` (a class attribute)."""
+    LePE, keys on the query grid, its own ``attend`` and ``project_qkv`` (not
+    replaced in a subclass or on the instance, which the one call would
+    bypass), and ``fuse_local_term`` (a class attribute)."""
     return (layer.fuse_local_term and layer.attn_design == 'focused' and layer.sr_ratio == 1
-            and not layer.num_prefix_tokens and local_kernel(layer) is not None
+            and local_kernel(layer) is not None
             and all(_own_method(layer, name) for name in ('attend', 'project_qkv')))
 
 
@@ -143,7 +143,8 @@ def _own_method(layer: nn.Module, name: str) -> bool:
 
 def attend_with_local_term(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
     """The attention term plus DWC(V) (+ LePE) of a layer that
-    :func:`fuses_local_term`, on x (B, H*W, C): one call
+    :func:`fuses_local_term`, on x (B, P + H*W, C) (prefix tokens take no DWC
+    term): one call
     (:func:`~flatten_mm.models.ops.attention_with_local_term`; one op each way
     on the Triton backend, which writes the product's gradient at once)."""
     return attention_with_local_term(stacked_qkv(layer, x, hw_shape), layer.scale,

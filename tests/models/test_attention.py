@@ -427,7 +427,7 @@ def test_half_k_plus_its_encoding_is_rounded_once():
     (dict(kernel_size=0, lepe=True), True),  # LePE alone
     (dict(kernel_size=0), False),  # no local term
     (dict(sr_ratio=2), False),  # reduced keys: V resized first
-    (dict(num_prefix_tokens=1), False),  # a class token takes no DWC term
+    (dict(num_prefix_tokens=1), True),  # DeiT's class token (no DWC term for it)
     (dict(design='angular'), False),  # another design's core
 ])
 def test_which_layers_take_one_call(monkeypatch, kwargs, fused):

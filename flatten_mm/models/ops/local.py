@@ -1,7 +1,7 @@
 """The attention term and the local term of a layer as one call:
 ``focused_linear_attention(q, k, v) + DWC(v)`` for q, k, v the column thirds of
-one (B, H*W, 3C) product, with every query seeing every key (no key mask, no
-reduced keys, no prefix tokens).
+one (B, P + H*W, 3C) product, with every query seeing every key (no key mask,
+no reduced keys); P prefix tokens (a class token) take no DWC term.
 
 Op ``'attention_local'`` of the backend switch (:func:`.dispatch.set_backend`).
 Its ``'torch'`` backend is the two ops in turn (each choosing its own backend);
@@ -26,11 +26,18 @@ def split_qkv(qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 def check_local_call(qkv: Tensor, hw_shape: Tuple[int, int]) -> None:
-    """ValueError naming the value unless qkv is (B, H*W, 3C) with C >= 1."""
+    """ValueError naming the value unless qkv is (B, P + H*W, 3C) with P >= 0, C >= 1."""
     if qkv.dim() != 3 or qkv.shape[-1] % 3 or not qkv.shape[-1] or \
-            qkv.shape[1] != hw_shape[0] * hw_shape[1]:
-        raise ValueError(f'qkv must be (B, H*W, 3C) with (H, W) = {tuple(hw_shape)}, '
+            qkv.shape[1] < hw_shape[0] * hw_shape[1]:
+        raise ValueError(f'qkv must be (B, P + H*W, 3C) with (H, W) = {tuple(hw_shape)}, '
                          f'got {tuple(qkv.shape)}')
+
+
+def grid_rows(x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+    """The last H*W tokens of (B, P + H*W, C') ``x`` (a view; a split, whose
+    backward writes x's gradient once, not a slice's zero-filled copy)."""
+    P = x.shape[1] - hw_shape[0] * hw_shape[1]
+    return x.split([P, x.shape[1] - P], 1)[1] if P else x
 
 
 def torch_attention_local(qkv: Tensor, scale: Tensor, focusing_factor: float, num_heads: int,
@@ -40,7 +47,7 @@ def torch_attention_local(qkv: Tensor, scale: Tensor, focusing_factor: float, nu
     q, k, v = split_qkv(qkv)
     out = focused_linear_attention(q, k, v, scale, focusing_factor, num_heads, None,
                                    overwrite_qk)
-    return depthwise_conv_add(out, v, hw_shape, weight, bias, extra)
+    return depthwise_conv_add(out, grid_rows(v, hw_shape), hw_shape, weight, bias, extra)
 
 
 def attention_with_local_term(qkv: Tensor, scale: Tensor, focusing_factor: float,
@@ -49,10 +56,10 @@ def attention_with_local_term(qkv: Tensor, scale: Tensor, focusing_factor: float
                               overwrite_qk: bool = False) -> Tensor:
     """``focused_linear_attention(q, k, v, scale, focusing_factor, num_heads) +
     depthwise_conv_add``'s DWC(v) on the ``hw_shape`` grid, for q, k, v the
-    column thirds of ``qkv`` (B, H*W, 3C); the conv's kernel in parts
-    (``weight``, ``bias``, ``extra``: :func:`.conv.depthwise_conv_add`).
-    ``overwrite_qk``: q and k may be overwritten when no gradient is recorded.
-    (B, H*W, C) in qkv's dtype. A backend with a fused form (``'triton'``,
+    column thirds of ``qkv`` (B, P + H*W, 3C; P prefix tokens first, which take
+    no DWC term); the conv's kernel in parts (``weight``, ``bias``, ``extra``:
+    :func:`.conv.depthwise_conv_add`). ``overwrite_qk``: q and k may be
+    overwritten when no gradient is recorded. (B, P + H*W, C) in qkv's dtype. A backend with a fused form (``'triton'``,
     registered with the tensors ``'auto'`` sends it: ``supports(qkv, num_heads,
     weight, bias, extra)``) takes it; otherwise the two ops, each on its own
     backend."""

@@ -3,11 +3,11 @@ attention kernels (:mod:`.triton_kernels`) and the fused DWC's
 (:mod:`.triton_conv_kernels`) in one pair of ``torch.library`` custom ops,
 ``flatten_mm::triton_attention_local`` and its ``_backward``.
 
-It takes the layer's (B, H*W, 3C) product itself, not q, k and v: the
+It takes the layer's (B, N, 3C) product itself, not q, k and v: the
 gradient it returns is that product's, so nothing joins three gradients
 afterwards. Forward: the attention writes out, then the conv kernel adds
 DWC(v) (and the bias) into out in place. Backward: the attention's passes
-write dq, dk and dv into the column thirds of one (B, H*W, 3C) buffer, then
+write dq, dk and dv into the column thirds of one (B, N, 3C) buffer, then
 the conv's input-gradient kernel adds its part of v's gradient into the dv
 third in place (each element read and written by the same program), and the
 weight-gradient sweep makes the kernel parts' gradients. Against the two ops
@@ -30,7 +30,7 @@ from . import triton_backend as tb
 from . import triton_conv as tc
 from .conv import Extra, torch_conv_add
 from .dispatch import register_backend, register_op_pair
-from .local import split_qkv, torch_attention_local
+from .local import grid_rows, split_qkv, torch_attention_local
 
 _KERNELS = {}  # 'ran': the op has run (run_guarded)
 
@@ -45,8 +45,9 @@ def _forward_impl(qkv: Tensor, scale: Tensor, weight: Tensor, bias: Tensor,
     q, k, v = split_qkv(tb.channel_rows(qkv))
     out, kv, km, stats_q, stats_k, s_inv, _ = tb.kernels().forward(
         q, k, v, scale.reshape(-1).contiguous(), focusing_factor, num_heads, None)
-    tc.kernels().conv_add(v, weight.contiguous(), bias.contiguous(), out, (H, W), out=out,
-                          extra=tc.extra_part(extra_weight, extra_bias))
+    grid = grid_rows(out, (H, W))  # (prefix tokens take no conv term)
+    tc.kernels().conv_add(grid_rows(v, (H, W)), weight.contiguous(), bias.contiguous(), grid,
+                          (H, W), out=grid, extra=tc.extra_part(extra_weight, extra_bias))
     return out, kv, km, stats_q, stats_k, s_inv
 
 
@@ -75,9 +76,10 @@ def _backward_impl(grad: Tensor, qkv: Tensor, scale: Tensor, weight: Tensor, bia
                                None, grads=split_qkv(grad_qkv))[3]
     extra = tc.extra_part(extra_weight, extra_bias)
     weight, bias = weight.contiguous(), bias.contiguous()
-    conv = tc.kernels()
-    conv.conv_add(grad, weight, None, dv, (H, W), flip=True, out=dv, extra=extra)  # in place
-    parts = conv.weight_grad(grad, v, weight, bias, (H, W), extra)
+    conv, hw = tc.kernels(), (H, W)
+    grad, v, dv = (grid_rows(t, hw) for t in (grad, v, dv))  # the grid's rows
+    conv.conv_add(grad, weight, None, dv, hw, flip=True, out=dv, extra=extra)  # in place
+    parts = conv.weight_grad(grad, v, weight, bias, hw, extra)
     if extra is None:
         parts = (*parts, weight.new_empty(0), bias.new_empty(0))
     return (grad_qkv, ds.view(scale.shape).to(scale.dtype), *parts)
@@ -134,7 +136,7 @@ def _agrees_on_first_use(qkv: Tensor, scale: Tensor, focusing_factor: float, num
     B, N, C3 = qkv.shape
     C, h, parts = C3 // 3, num_heads, (weight, bias, *(extra or ()))
     key = ('attention_local', qkv.device, qkv.dtype, C // h, h == 1, C,
-           tb.exact_fp32(qkv.dtype), scale.dtype,
+           tb.exact_fp32(qkv.dtype), scale.dtype, N > hw_shape[0] * hw_shape[1],  # prefix
            tuple((tuple(t.shape), t.dtype) for t in parts))
     if tb.settled(key):
         return True
@@ -146,7 +148,8 @@ def _agrees_on_first_use(qkv: Tensor, scale: Tensor, focusing_factor: float, num
                ) -> Tensor:
         q, k, v = split_qkv(qkv)
         out = tb._torch_backend(q, k, v, scale, focusing_factor, h, None, False)
-        return torch_conv_add(out, v, hw_shape, weight, bias, extra or None, inplace=False)
+        return torch_conv_add(out, grid_rows(v, hw_shape), hw_shape, weight, bias,
+                              extra or None, inplace=False)
     return tb.agrees_once(
         key, lambda *t: _kernels_op(t[0], t[1], focusing_factor, h, hw_shape, t[2], t[3],
                                     t[4:] or None),
@@ -164,7 +167,7 @@ def triton_attention_local(qkv: Tensor, scale: Tensor, focusing_factor: float, n
     q, k, v = split_qkv(qkv)
     tb.check_dtypes(q, k, v)
     tb.check_head_dim(q.shape[-1], num_heads)
-    tc.check_conv_call(v, v, hw_shape, weight, bias, extra)
+    tc.check_conv_call(v, grid_rows(v, hw_shape), hw_shape, weight, bias, extra)
     args = (qkv, scale, focusing_factor, num_heads, hw_shape, weight, bias, extra)
     return tb.run_guarded(_KERNELS, 'attention and depth-wise conv kernels',
                           lambda: _kernels_op(*args), lambda: _agrees_on_first_use(*args),

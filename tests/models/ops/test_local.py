@@ -52,10 +52,10 @@ def test_backend_switch_chooses_its_form(monkeypatch):
 def test_bad_product_named():
     layer = FocusedLinearAttention(16, 1)
     kernel = local_kernel(layer)
-    with pytest.raises(ValueError, match=r'qkv must be \(B, H\*W, 3C\) with \(H, W\) = '
+    with pytest.raises(ValueError, match=r'qkv must be \(B, P \+ H\*W, 3C\) with \(H, W\) = '
                                          r'\(3, 4\), got \(1, 12, 47\)'):
         attention_with_local_term(torch.randn(1, 12, 47), layer.scale, 3.0, 1, (3, 4), *kernel)
-    with pytest.raises(ValueError, match=r'got \(1, 13, 48\)'):
-        attention_with_local_term(torch.randn(1, 13, 48), layer.scale, 3.0, 1, (3, 4), *kernel)
+    with pytest.raises(ValueError, match=r'got \(1, 11, 48\)'):  # fewer tokens than H*W
+        attention_with_local_term(torch.randn(1, 11, 48), layer.scale, 3.0, 1, (3, 4), *kernel)
     with pytest.raises(ValueError, match=r'got \(12, 48\)'):
         attention_with_local_term(torch.randn(12, 48), layer.scale, 3.0, 1, (3, 4), *kernel)

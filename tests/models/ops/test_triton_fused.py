@@ -29,16 +29,17 @@ DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 NAMES = ('out', 'qkv', 'scale', 'weight', 'bias', 'extra weight', 'extra bias')
 
 
-def make(B, hw, C, h, K, lepe, dtype=torch.float32):
-    """A layer's product (in ``dtype``; the parameters fp32, as under autocast),
-    its parameters as leaves, and an output gradient."""
+def make(B, hw, C, h, K, lepe, dtype=torch.float32, prefix=0):
+    """A layer's product (in ``dtype``; the parameters fp32, as under autocast)
+    with ``prefix`` tokens before the grid's, its parameters as leaves, and an
+    output gradient."""
     torch.manual_seed(0)
     layer = FocusedLinearAttention(C, h, kernel_size=K, lepe=lepe).to(DEVICE)
     with torch.no_grad():
         layer.scale.normal_()
         for p in (*layer.dwc.parameters(), *(layer.get_v.parameters() if lepe else ())):
             p.normal_()
-    N = hw[0] * hw[1]
+    N = prefix + hw[0] * hw[1]
     qkv = torch.randn(B, N, 3 * C, device=DEVICE).to(dtype).requires_grad_()
     weight, bias, extra = local_kernel(layer)
     g = torch.randn(B, N, C, device=DEVICE).to(dtype)
@@ -53,16 +54,17 @@ def outputs_and_grads(fn, qkv, scale, h, hw, kernel, g):
     return [out.detach(), *torch.autograd.grad(out, leaves, g)]
 
 
-@pytest.mark.parametrize('B,hw,C,h,K,lepe,dtype', [
-    (2, (5, 7), 32, 2, 5, False, torch.float32),  # Swin's and PVT's: DWC, two heads
-    (3, (6, 5), 32, 2, 5, True, torch.float32),  # CSwin's: DWC + LePE
-    (1, (4, 6), 16, 1, 3, False, torch.float32),  # one head: the fused token passes
-    (2, (3, 9), 48, 3, 5, True, torch.bfloat16),  # bf16, three heads
+@pytest.mark.parametrize('B,hw,C,h,K,lepe,dtype,prefix', [
+    (2, (5, 7), 32, 2, 5, False, torch.float32, 0),  # Swin's and PVT's: DWC, two heads
+    (3, (6, 5), 32, 2, 5, True, torch.float32, 0),  # CSwin's: DWC + LePE
+    (1, (4, 6), 16, 1, 3, False, torch.float32, 0),  # one head: the fused token passes
+    (2, (3, 9), 48, 3, 5, True, torch.bfloat16, 0),  # bf16, three heads
+    (2, (4, 5), 32, 2, 5, False, torch.float32, 1),  # DeiT's class token: no DWC term
 ])
-def test_matches_the_two_ops(B, hw, C, h, K, lepe, dtype):
+def test_matches_the_two_ops(B, hw, C, h, K, lepe, dtype, prefix):
     """Output and every gradient against the two Triton ops (bit for bit but v's
     gradient, see the module docstring) and against the 'torch' backend."""
-    layer, qkv, kernel, g = make(B, hw, C, h, K, lepe, dtype)
+    layer, qkv, kernel, g = make(B, hw, C, h, K, lepe, dtype, prefix)
 
     def call(fn):
         return outputs_and_grads(fn, qkv, layer.scale, h, hw, kernel, g)
