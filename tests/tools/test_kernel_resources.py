@@ -34,7 +34,7 @@ ONE_HEAD_SM80 = ['_inverse_scale_kernel'] + FORWARD + [
     '_query_state_grad_kernel', '_query_grad_kernel', '_state_sum_kernel', '_key_grad_kernel']
 # the fused out + DWC(V): forward, V's gradient (the same kernel), weight gradient (a
 # sweep, then the chunks summed into the kernel's parts)
-CONV = ['_conv_add_kernel'] * 2 + ['_conv_weight_grad_kernel', '_conv_grad_sum_kernel']
+CONV = ['_conv_add_kernel'] * 3 + ['_conv_weight_grad_kernel', '_conv_grad_sum_kernel']
 # kernels without a dot: per-row reductions and the depth-wise conv
 NO_DOT = {'_row_stats_kernel', '_conv_add_kernel', '_conv_weight_grad_kernel',
           '_state_sum_kernel', '_inverse_scale_kernel', '_conv_grad_sum_kernel'}

@@ -66,9 +66,10 @@ def parse_case(text: str) -> tuple:
 def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch: int) -> list:
     """(kernel, args, kwargs) of each launch of one forward and backward of the
     attention core and of the fused local term (the 5 x 5 DWC of V and a 3 x 3
-    LePE added to the output, on a 16 x 24 grid), the launchers run on CPU
-    tensors with every kernel replaced by a recorder and the device taken for
-    one of compute capability ``arch``."""
+    LePE added to the output, on a 16 x 24 grid; its input gradient as a new map
+    and, as the attention and local term's one op has it, added into v's), the
+    launchers run on CPU tensors with every kernel replaced by a recorder and
+    the device taken for one of compute capability ``arch``."""
     from launch_count import launches_recorded
 
     from flatten_mm.models.ops import triton_conv_kernels, triton_kernels
@@ -91,6 +92,10 @@ def recorded_launches(d: int, heads: int, masked: bool, dtype: torch.dtype, arch
                                 p, heads, mask)
         triton_conv_kernels.conv_add(v, weight, bias, out, (16, 24), extra=lepe)
         triton_conv_kernels.conv_add(out, weight, None, None, (16, 24), flip=True, extra=lepe)
+        # the one op's backward: the conv of the gradient added into v's in place
+        dv = torch.empty_like(v)
+        triton_conv_kernels.conv_add(out, weight, None, dv, (16, 24), flip=True, out=dv,
+                                     extra=lepe)
         triton_conv_kernels.weight_grad(out, v, weight, bias, (16, 24), lepe)
     return calls
 
