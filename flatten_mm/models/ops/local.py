@@ -13,7 +13,6 @@ that this op does not make.
 """
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from .conv import Extra, depthwise_conv_add
@@ -59,10 +58,10 @@ def attention_with_local_term(qkv: Tensor, scale: Tensor, focusing_factor: float
     column thirds of ``qkv`` (B, P + H*W, 3C; P prefix tokens first, which take
     no DWC term); the conv's kernel in parts (``weight``, ``bias``, ``extra``:
     :func:`.conv.depthwise_conv_add`). ``overwrite_qk``: q and k may be
-    overwritten when no gradient is recorded. (B, P + H*W, C) in qkv's dtype. A backend with a fused form (``'triton'``,
-    registered with the tensors ``'auto'`` sends it: ``supports(qkv, num_heads,
-    weight, bias, extra)``) takes it; otherwise the two ops, each on its own
-    backend."""
+    overwritten when no gradient is recorded. (B, P + H*W, C) in qkv's dtype.
+    A backend with a fused form (``'triton'``, registered with the tensors
+    ``'auto'`` sends it: ``supports(qkv, num_heads, weight, bias, extra)``)
+    takes it; otherwise the two ops, each on its own backend."""
     check_local_call(qkv, hw_shape)
     check_call(*split_qkv(qkv), scale, focusing_factor, num_heads, None)
     fn = backend_of('attention_local', qkv, num_heads, weight, bias, extra)
