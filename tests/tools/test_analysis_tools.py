@@ -37,10 +37,16 @@ def test_get_flops_of_a_config_and_bad_input(capsys):
 def test_benchmark_attention_reports_ratios(tmp_path):
     tool = load_tool('benchmark_attention')
     rows = tool.main(['--cases', '12x16x32x2', '--repeats', '1', '--variants', 'fast',
-                      'autograd', 'fast-conv2d', 'projections', '--out', str(tmp_path / 'r.json')])
+                      'autograd', 'fast-conv2d', 'two-ops', 'projections',
+                      '--out', str(tmp_path / 'r.json')])
     (row,) = rows
-    for name in ('fast', 'autograd', 'fast-conv2d'):
+    for name in ('fast', 'autograd', 'fast-conv2d', 'two-ops'):
         assert row[f'{name}_rel_error'] < 1e-5
+    module = tool.FocusedLinearAttention(32, 2)  # two ops for that call only
+    calls = []
+    module.register_forward_pre_hook(lambda m, args: calls.append(m.fuse_local_term))
+    tool.two_ops_forward(module, torch.randn(1, 12, 32), (3, 4))
+    assert calls == [False] and module.fuse_local_term and 'fuse_local_term' not in vars(module)
     # the projections alone: timed and their saved bytes counted, no error (another output)
     assert row['projections_ms'] > 0 and 'projections_rel_error' not in row
     assert 0 < row['projections_saved_ratio'] < row['reference_saved_ratio']

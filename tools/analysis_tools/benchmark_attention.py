@@ -7,9 +7,11 @@ medians and ratios to the reference are reported, with the bytes autograd
 saves for backward (unique storages, input and parameters excluded) and the
 relative error of the output. ``--variants fast-torch fast-triton`` force
 the core's backend (``fast`` lets it choose: Triton for CUDA tensors,
-PyTorch ops elsewhere). ``--variants autograd fast-conv2d`` adds the
-ablations: the same formula left to autograd, and the hand-written attention
-with the DWC through ``F.conv2d``. ``--variants projections`` times the
+PyTorch ops elsewhere). ``--variants autograd fast-conv2d two-ops`` adds the
+ablations: the same formula left to autograd, the hand-written attention
+with the DWC through ``F.conv2d``, and ``fast`` with the attention and its DWC
+as two ops (the layer's ``fuse_local_term`` off: on CUDA what the one Triton
+op saves). ``--variants projections`` times the
 layer's projections alone (q, k, v as the layer forms them, and the output
 projection): the floor of any attention layer with these projections (its
 output is not the layer's, so it has no error column).
@@ -38,7 +40,8 @@ from flatten_mm.models.utils import map_to_tokens, tokens_to_map  # noqa: E402
 
 # compute the layer's output; 'fast' lets the core choose its backend,
 # 'fast-torch' / 'fast-triton' force one
-EXACT = ('fast', 'fast-torch', 'fast-triton', 'reference', 'autograd', 'fast-conv2d')
+EXACT = ('fast', 'fast-torch', 'fast-triton', 'reference', 'autograd', 'fast-conv2d',
+         'two-ops')
 VARIANTS = EXACT + ('projections',)
 
 
@@ -71,6 +74,15 @@ def fast_conv2d_forward(module, x, hw_shape):
     q, k, v, grid = module.project_qkv(x, hw_shape)
     out = module.attend(q, k, v, None)
     return module.proj(out + torch_dwc(module, v, grid, hw_shape))
+
+
+def two_ops_forward(module, x, hw_shape):
+    """The module's forward with its attention and DWC as two ops."""
+    module.fuse_local_term = False
+    try:
+        return module(x, hw_shape)
+    finally:
+        del module.fuse_local_term  # the class's again
 
 
 def backend_forward(module, x, hw_shape, backend):
@@ -119,6 +131,7 @@ def run_case(H, W, C, heads, args, device, dtype):
              'fast-torch': lambda: backend_forward(module, x, (H, W), 'torch'),
              'fast-triton': lambda: backend_forward(module, x, (H, W), 'triton'),
              'fast-conv2d': lambda: fast_conv2d_forward(module, x, (H, W)),
+             'two-ops': lambda: two_ops_forward(module, x, (H, W)),
              'projections': lambda: projections_forward(module, x, (H, W))}
     paths = {name: every[name] for name in args.variants}
     if args.compile:  # compiled at the first (warm-up) step

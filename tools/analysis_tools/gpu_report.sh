@@ -126,8 +126,10 @@ part_tests() {  # the CUDA tests (they skip without CUDA) and the Triton kernels
     --junitxml "$OUT/tests.xml")
 }
 
-part_core() {  # the core against the reference; the fused DWC against cuDNN's conv
-  core bf16 --variants reference fast-torch fast-triton fast-conv2d --out "$OUT/core_bf16.json" &&
+part_core() {  # the core against the reference; the fused DWC against cuDNN's conv; the
+  # attention and its DWC as one op against two
+  core bf16 --variants reference fast-torch fast-triton fast-conv2d two-ops \
+    --out "$OUT/core_bf16.json" &&
     core fp32 --variants reference fast-torch fast-triton --out "$OUT/core_fp32.json"
 }
 
