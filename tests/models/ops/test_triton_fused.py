@@ -219,3 +219,40 @@ def test_clear_errors():
         with pytest.raises(ValueError, match=r'head widths up to 128, got d=256'):
             attention_with_local_term(wide, torch.zeros(256), 3.0, 1, (4, 4),
                                       torch.zeros(256, 1, 3, 3), torch.zeros(256))
+
+
+def test_export():
+    """torch.export of a layer keeps the one op, and the program computes eager's output."""
+    layer = FocusedLinearAttention(32, 2, lepe=True).to(DEVICE).eval()
+    x = torch.randn(2, 30, 32, device=DEVICE)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x, (5, 6))
+    with use_backend('triton'):
+        ep = torch.export.export(Layer(), (x, ))
+        want = layer(x, (5, 6))
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == 'call_function']
+    assert 'flatten_mm.triton_attention_local.default' in targets
+    torch.testing.assert_close(ep.module()(x), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('B,hw,C,h,lepe', [
+    (8, (200, 334), 64, 1, False),  # FLatten-PVT-T's stage 1 at 800 x 1333
+    (2, (100, 167), 192, 6, False),  # FLatten-Swin-T's stage 2
+    (8, (200, 334), 64, 2, True),  # FLatten-CSwin-T's stage 1
+])
+def test_cuda_real_sizes(B, hw, C, h, lepe):
+    """The GPU's tiling at real sizes, bf16: the one op against the two Triton ops."""
+    layer, qkv, kernel, g = make(B, hw, C, h, 5, lepe, torch.bfloat16)
+    with use_backend('triton'):
+        fused = outputs_and_grads(attention_with_local_term, qkv, layer.scale, h, hw, kernel, g)
+        apart = outputs_and_grads(torch_attention_local, qkv, layer.scale, h, hw, kernel, g)
+    for name, a, b in zip(NAMES, fused, apart):
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err < (1e-2 if name == 'qkv' else 1e-6), (name, err)
