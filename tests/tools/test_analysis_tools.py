@@ -42,11 +42,13 @@ def test_benchmark_attention_reports_ratios(tmp_path):
     (row,) = rows
     for name in ('fast', 'autograd', 'fast-conv2d', 'two-ops'):
         assert row[f'{name}_rel_error'] < 1e-5
-    module = tool.FocusedLinearAttention(32, 2)  # two ops for that call only
-    calls = []
-    module.register_forward_pre_hook(lambda m, args: calls.append(m.fuse_local_term))
-    tool.two_ops_forward(module, torch.randn(1, 12, 32), (3, 4))
-    assert calls == [False] and module.fuse_local_term and 'fuse_local_term' not in vars(module)
+    module = tool.FocusedLinearAttention(32, 2)  # two ops in a copy sharing the parameters
+    two = tool.two_ops_layer(module)
+    assert not two.fuse_local_term and module.fuse_local_term and two.scale is module.scale
+    # also compiled (the copy made outside the compiled step)
+    (row3,) = tool.main(['--cases', '12x16x32x2', '--repeats', '1', '--variants', 'fast',
+                         'two-ops', '--compile', 'eager'])
+    assert row3['two-ops_rel_error'] < 1e-5
     # the projections alone: timed and their saved bytes counted, no error (another output)
     assert row['projections_ms'] > 0 and 'projections_rel_error' not in row
     assert 0 < row['projections_saved_ratio'] < row['reference_saved_ratio']

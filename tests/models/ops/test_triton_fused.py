@@ -60,6 +60,7 @@ def outputs_and_grads(fn, qkv, scale, h, hw, kernel, g):
     (1, (4, 6), 16, 1, 3, False, torch.float32, 0),  # one head: the fused token passes
     (2, (3, 9), 48, 3, 5, True, torch.bfloat16, 0),  # bf16, three heads
     (2, (4, 5), 32, 2, 5, False, torch.float32, 1),  # DeiT's class token: no DWC term
+    (2, (3, 5), 32, 2, 3, True, torch.bfloat16, 2),  # two prefix tokens, LePE, bf16
 ])
 def test_matches_the_two_ops(B, hw, C, h, K, lepe, dtype, prefix):
     """Output and every gradient against the two Triton ops (bit for bit but v's
@@ -159,7 +160,8 @@ def test_compile_fullgraph_one_op_each():
         torch.testing.assert_close(a, b)
 
 
-def test_first_use_checked_once_and_a_wrong_kernel_falls_back(monkeypatch):
+@pytest.mark.parametrize('prefix', [0, 1])
+def test_first_use_checked_once_and_a_wrong_kernel_falls_back(monkeypatch, prefix):
     """Under 'auto' a configuration's first call is checked against the two ops'
     PyTorch forms (once); a wrong attention kernel, or a wrong in-place conv
     into v's gradient (the op's own code), warns with the errors, returns the
@@ -168,13 +170,14 @@ def test_first_use_checked_once_and_a_wrong_kernel_falls_back(monkeypatch):
     monkeypatch.setattr(tb, '_AGREED', set())
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
     monkeypatch.setattr(tf, '_KERNELS', {})
-    layer, qkv, (weight, bias, extra), _ = make(2, (5, 7), 32, 2, 5, True)
+    layer, qkv, (weight, bias, extra), _ = make(2, (5, 7), 32, 2, 5, True, prefix=prefix)
     args = (qkv.detach(), layer.scale, 3.0, 2, (5, 7), weight, bias, extra)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         got = tf.triton_attention_local(*args)
         tf.triton_attention_local(*args)
-    assert [key[0] for key in tb._AGREED] == ['attention_local']
+    (key, ) = tb._AGREED
+    assert key[0] == 'attention_local' and key[8] == bool(prefix)  # (prefix rows)
     with use_backend('torch'):
         want = torch_attention_local(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -246,10 +249,12 @@ def test_export():
     (8, (200, 334), 64, 1, False),  # FLatten-PVT-T's stage 1 at 800 x 1333
     (2, (100, 167), 192, 6, False),  # FLatten-Swin-T's stage 2
     (8, (200, 334), 64, 2, True),  # FLatten-CSwin-T's stage 1
+    (64, (14, 14), 384, 6, False),  # FLatten-DeiT-S at 224: a class token first
 ])
 def test_cuda_real_sizes(B, hw, C, h, lepe):
     """The GPU's tiling at real sizes, bf16: the one op against the two Triton ops."""
-    layer, qkv, kernel, g = make(B, hw, C, h, 5, lepe, torch.bfloat16)
+    prefix = 1 if hw == (14, 14) else 0
+    layer, qkv, kernel, g = make(B, hw, C, h, 5, lepe, torch.bfloat16, prefix)
     with use_backend('triton'):
         fused = outputs_and_grads(attention_with_local_term, qkv, layer.scale, h, hw, kernel, g)
         apart = outputs_and_grads(torch_attention_local, qkv, layer.scale, h, hw, kernel, g)
