@@ -181,6 +181,8 @@ def test_first_use_checked_once_and_a_wrong_kernel_falls_back(monkeypatch, prefi
     with use_backend('torch'):
         want = torch_attention_local(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if prefix:  # (the wrong kernels once, without a prefix: the interpreter is slow)
+        return
     conv = tc.kernels()
     real = conv.conv_add
 
