@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .designs import check_design, check_kernel_size, get_design, local_kernel
 from .ops import attention_with_local_term, depthwise_conv_add
 from .ops.conv import torch_conv_add
-from .ops.local import split_qkv
+from .ops.local import grid_rows, split_qkv
 from .resize import add_resized_to_block_, cached_resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, autocast_input, check_heads, check_number,
                     check_positive_int, map_to_tokens, spatial_reduce, tokens_to_map,
@@ -65,19 +65,6 @@ def check_attention_input(x: Tensor, hw_shape: HWShape, key_mask: Optional[Tenso
                          f'per token of x, got {key_mask.dtype} {tuple(key_mask.shape)}')
 
 
-def split_prefix(x: Tensor, num_prefix_tokens: int) -> Tuple[Tensor, Tensor]:
-    """Views of (B, P + H*W, C) ``x``: its P prefix tokens and the H*W on the
-    grid. Split rather than sliced: a slice's backward fills a zero tensor of
-    x's size, then copies the gradient in; a split's writes x's gradient once."""
-    return x.split([num_prefix_tokens, x.shape[1] - num_prefix_tokens], 1)
-
-
-def grid_tokens(x: Tensor, num_prefix_tokens: int) -> Tensor:
-    """The last H*W tokens of (B, P + H*W, C) ``x``, those on the grid (a
-    view, :func:`split_prefix`; ``x`` itself when there is no prefix token)."""
-    return split_prefix(x, num_prefix_tokens)[1] if num_prefix_tokens else x
-
-
 def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
                    hw_shape: HWShape) -> Tensor:
     """The attention term ``out`` plus the layer's DWC(V) (+ LePE) on the query
@@ -89,8 +76,7 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
     kernel = local_kernel(layer)
     if kernel is None:
         return out
-    P = layer.num_prefix_tokens
-    v = grid_tokens(v, P)
+    v = grid_rows(v, grid)  # (prefix tokens, which need sr_ratio=1: grid is hw_shape)
     if tuple(grid) != tuple(hw_shape):
         # resized as autocast has it (CUDA's in fp32: the backward sums V's gradient
         # there), then in V's dtype again: the fused DWC takes out and V of one dtype

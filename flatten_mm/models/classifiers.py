@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import load_checkpoint_file
 from ..conversion import classifier_state_dict, other_class_count, unfit, without_head
-from .attention import grid_tokens
+from .ops.local import grid_rows
 from .utils import HWShape
 from .layers import check_images, stage_output
 from .backbones.flatten_cswin import FLattenCSwin
@@ -125,7 +125,7 @@ class ClassifierMixin:
         """A stage's tokens as :meth:`forward_intermediates` returns them: an
         NCHW map of its grid's tokens (after the final norm with ``norm``)."""
         tokens = self.norm(tokens) if norm else tokens
-        return stage_output(grid_tokens(tokens, self.num_prefix_tokens), hw_shape)
+        return stage_output(grid_rows(tokens, hw_shape), hw_shape)
 
     def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1,
                                   prune_norm: bool = False, prune_head: bool = True) -> List[int]:

@@ -33,8 +33,10 @@ def check_local_call(qkv: Tensor, hw_shape: Tuple[int, int]) -> None:
 
 
 def grid_rows(x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
-    """The last H*W tokens of (B, P + H*W, C') ``x`` (a view; a split, whose
-    backward writes x's gradient once, not a slice's zero-filled copy)."""
+    """The last H*W tokens of (B, P + H*W, C') ``x``, those on the grid after P
+    prefix tokens (a class token); ``x`` itself without any. A view: a split,
+    whose backward writes x's gradient once, where a slice's fills a zero
+    tensor of x's size and copies the gradient in."""
     P = x.shape[1] - hw_shape[0] * hw_shape[1]
     return x.split([P, x.shape[1] - P], 1)[1] if P else x
 
@@ -60,11 +62,13 @@ def attention_with_local_term(qkv: Tensor, scale: Tensor, focusing_factor: float
     :func:`.conv.depthwise_conv_add`). ``overwrite_qk``: q and k may be
     overwritten when no gradient is recorded. (B, P + H*W, C) in qkv's dtype.
     A backend with a fused form (``'triton'``, registered with the tensors
-    ``'auto'`` sends it: ``supports(qkv, num_heads, weight, bias, extra)``)
-    takes it; otherwise the two ops, each on its own backend."""
+    ``'auto'`` sends it: ``supports(q, k, v, num_heads, weight, bias, extra)``,
+    q, k, v the thirds) takes it; otherwise the two ops, each on its own
+    backend."""
     check_local_call(qkv, hw_shape)
-    check_call(*split_qkv(qkv), scale, focusing_factor, num_heads, None)
-    fn = backend_of('attention_local', qkv, num_heads, weight, bias, extra)
+    q, k, v = split_qkv(qkv)
+    check_call(q, k, v, scale, focusing_factor, num_heads, None)
+    fn = backend_of('attention_local', q, k, v, num_heads, weight, bias, extra)
     return fn(qkv, scale, focusing_factor, num_heads, hw_shape, weight, bias, extra,
               overwrite_qk)
 

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from . import triton_backend as tb
 from . import triton_conv as tc
-from .conv import Extra, torch_conv_add
-from .dispatch import register_backend, register_op_pair
+from .conv import Extra
+from .dispatch import register_backend, register_op_pair, use_backend
 from .local import grid_rows, split_qkv, torch_attention_local
 
 _KERNELS = {}  # 'ran': the op has run (run_guarded)
@@ -146,10 +146,9 @@ def _agrees_on_first_use(qkv: Tensor, scale: Tensor, focusing_factor: float, num
 
     def theirs(qkv: Tensor, scale: Tensor, weight: Tensor, bias: Tensor, *extra: Tensor
                ) -> Tensor:
-        q, k, v = split_qkv(qkv)
-        out = tb._torch_backend(q, k, v, scale, focusing_factor, h, None, False)
-        return torch_conv_add(out, grid_rows(v, hw_shape), hw_shape, weight, bias,
-                              extra or None, inplace=False)
+        with use_backend('torch'):  # the two ops' PyTorch forms
+            return torch_attention_local(qkv, scale, focusing_factor, h, hw_shape, weight,
+                                         bias, extra or None)
     return tb.agrees_once(
         key, lambda *t: _kernels_op(t[0], t[1], focusing_factor, h, hw_shape, t[2], t[3],
                                     t[4:] or None),
@@ -174,10 +173,10 @@ def triton_attention_local(qkv: Tensor, scale: Tensor, focusing_factor: float, n
                           lambda: torch_attention_local(*args, overwrite_qk))
 
 
-def supports(qkv: Tensor, num_heads: int, weight: Tensor, bias: Optional[Tensor],
-             extra: Extra = None) -> bool:
-    """``'auto'`` takes the fused op where it takes both ops' Triton forms."""
-    q, k, v = split_qkv(qkv)
+def supports(q: Tensor, k: Tensor, v: Tensor, num_heads: int, weight: Tensor,
+             bias: Optional[Tensor], extra: Extra = None) -> bool:
+    """``'auto'`` takes the fused op (for the product's thirds q, k, v) where it
+    takes both ops' Triton forms."""
     return tb.supports(q, k, v, None, num_heads) and tc.supports(v, v, weight, bias, extra)
 
 
