@@ -170,6 +170,15 @@ def assert_caches_reused(model, hw=(45, 67)):
         assert torch.equal(grad, served[1][name]), name
 
 
+def assert_grads_close(got: dict, want: dict, rtol: float):
+    """Same parameter names, each gradient within ``rtol`` of ``want``'s in
+    norm (exact zeros: the last DeiT block's DWC reaches no class-token logit)."""
+    assert got.keys() == want.keys()
+    for name, g in got.items():
+        err = ((g - want[name]).norm() / want[name].norm().clamp(min=1e-30)).item()
+        assert err < rtol, f'{name}: {err:.2e}'
+
+
 FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin')
 
 

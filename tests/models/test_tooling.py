@@ -8,7 +8,7 @@ from timm.layers import create_feature_extractor, get_notrace_functions, get_not
 import flatten_mm  # noqa: F401  (registers the models and their fx leaves in timm)
 from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
 
-from backbone_checks import cache_state, loss_and_grads
+from backbone_checks import assert_grads_close, cache_state, loss_and_grads
 
 # small classifiers of each family: one or two blocks per stage
 SMALL = {
@@ -32,14 +32,6 @@ BACKBONES = {
 def backbone(kind):
     cls, kw = BACKBONES[kind]
     return cls(**kw, drop_path_rate=0.)
-
-
-def assert_grads_close(got, want, rtol):
-    assert got.keys() == want.keys()
-    for name, g in got.items():
-        # exact zeros: the last DeiT block's DWC reaches no class-token logit
-        err = ((g - want[name]).norm() / want[name].norm().clamp(min=1e-30)).item()
-        assert err < rtol, f'{name}: {err:.2e}'
 
 
 @pytest.mark.parametrize('name', sorted(SMALL))
