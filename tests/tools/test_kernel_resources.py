@@ -56,6 +56,8 @@ def build(tmp_path, arch, *args):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
+    import triton
+    assert {(row['arch'], row['triton']) for row in rows} == {(arch, triton.__version__)}
     from flatten_mm.models.ops.triton_kernels import fuses_query_passes
     by_case = {}
     for row in rows:

@@ -167,14 +167,18 @@ def main(argv=None) -> list:
                          'built; run without it')
     if args.tf32:  # this process only: the launchers read it when they plan
         torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    import triton
     rows = []
+    # builds differ between triton releases (docs/design.md): each row names its own
+    built_with = dict(arch=args.arch, triton=triton.__version__)
+    print(f'triton {triton.__version__}, sm_{args.arch}')
     print(f'{"kernel":26} {"case":7} {"dtype":5} {"regs":>4} {"spill st/ld":>11} {"shared":>7} '
           f'{"wgmma/mma/tcgen05":>18}')
     for d, heads, masked in args.cases:
         case = f'{d}x{heads}{"m" if masked else ""}'
         for name in args.dtypes:
             for fn, a, kw in recorded_launches(d, heads, masked, DTYPES[name], args.arch):
-                row = dict(case=case, dtype=name, **build(fn, a, kw, args.arch))
+                row = dict(case=case, dtype=name, **built_with, **build(fn, a, kw, args.arch))
                 rows.append(row)
                 print(f'{row["kernel"]:26} {case:7} {name:5} {row["registers"]:4d} '
                       f'{row["spill_stores"]:5d}/{row["spill_loads"]:<5d} {row["shared"]:7d} '
