@@ -3,8 +3,10 @@
 The kernel tests take one layer at a time. Here each family's blocks compose
 them as a GPU runs them: the one op of attention and local term in every linear
 layer (PVT's and PVTv2's linear stages, Swin's global ones, CSwin's with LePE,
-DeiT's class token) between the rest of the model, in training mode at an odd
-size, outputs and every parameter's gradient. Without CUDA the kernels run
+DeiT's class token) between the rest of the model, and the attention op and
+the conv on their own where a layer has key masks (FLatten-Swin's padded
+windows) or reduced keys (FLatten-PVT with ``sr_ratios``), in training mode at
+an odd size, outputs and every parameter's gradient. Without CUDA the kernels run
 under Triton's CPU interpreter (conftest.py); on a GPU they take CUDA tensors,
 with TF32 off on both sides (tests/models/test_tooling.py's
 ``test_cuda_equals_cpu`` also checks similar small backbones there against
@@ -58,27 +60,41 @@ def run(model, x, backend: str, autocast: bool = False):
     return outs, grads, ops.counts
 
 
-def steps(model, x, autocast: bool = False):
+# the Triton ops every linear layer takes each way: the attention and its local term
+# as one, or (key masks, reduced keys) the attention's and the conv's
+ONE_OP, TWO_OPS = ('triton_attention_local', ), ('triton_focused_attention',
+                                                 'triton_local_conv_add')
+# name: family, its options, the ops
+CASES = {**{family: (family, {}, ONE_OP) for family in (*FAMILIES, 'deit')},
+         'swin-windows': ('swin', dict(linear_window=4), TWO_OPS),  # padded: key masks
+         'pvt-reduced-keys': ('pvt', dict(sr_ratios=[2, 2, 1, 1]), TWO_OPS)}
+
+
+def steps(model, x, ops: tuple = ONE_OP, autocast: bool = False):
     """The step on 'torch' and on 'triton': the first dispatches no Triton op,
-    the second the one op each way in every linear layer."""
+    the second ``ops`` each way in every linear layer."""
     linear = sum(isinstance(m, FocusedLinearAttention) for m in model.modules())
     assert linear > 0
     want, want_grads, plain = run(model, x, 'torch', autocast)
     got, got_grads, fused = run(model, x, 'triton', autocast)
     assert not [name for name in plain if name.startswith('triton')], plain
-    assert fused.get('triton_attention_local') == linear, fused
-    assert fused.get('triton_attention_local_backward') == linear, fused
+    for op in ops:
+        assert fused.get(op) == fused.get(f'{op}_backward') == linear, fused
     return (want, want_grads), (got, got_grads)
 
 
-@pytest.mark.parametrize('family', [*FAMILIES, 'deit'])
-def test_backbone_on_the_kernels_equals_the_torch_backend(family):
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_backbone_on_the_kernels_equals_the_torch_backend(case):
     """fp32: outputs and gradients to 1e-4 relative (the kernels sum in
-    another order; measured a few 1e-6 at most)."""
+    another order; measured a few 1e-6 at most). Besides the registered
+    forms, FLatten-Swin with windowed linear stages (padded windows: key
+    masks) and FLatten-PVT with reduced keys in its linear stages, whose
+    layers take the attention op and the conv on their own."""
+    family, options, ops = CASES[case]
     torch.manual_seed(0)
-    model = small_backbone(family, drop_path_rate=0.).train().to(DEVICE)
+    model = small_backbone(family, drop_path_rate=0., **options).train().to(DEVICE)
     x = torch.randn(2, 3, 29, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    (want, want_grads), (got, got_grads) = steps(model, x)
+    (want, want_grads), (got, got_grads) = steps(model, x, ops)
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert ((a - b).norm() / b.norm()).item() < 1e-4
