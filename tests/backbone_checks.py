@@ -170,12 +170,18 @@ def assert_caches_reused(model, hw=(45, 67)):
         assert torch.equal(grad, served[1][name]), name
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| in norm, got taken to want's dtype (a want of zeros:
+    the norm of got over 1e-30)."""
+    return ((got.to(want.dtype) - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
 def assert_grads_close(got: dict, want: dict, rtol: float):
     """Same parameter names, each gradient within ``rtol`` of ``want``'s in
     norm (exact zeros: the last DeiT block's DWC reaches no class-token logit)."""
     assert got.keys() == want.keys()
     for name, g in got.items():
-        err = ((g - want[name]).norm() / want[name].norm().clamp(min=1e-30)).item()
+        err = relative_error(g, want[name])
         assert err < rtol, f'{name}: {err:.2e}'
 
 

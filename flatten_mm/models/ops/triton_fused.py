@@ -70,14 +70,14 @@ def _backward_impl(grad: Tensor, qkv: Tensor, scale: Tensor, weight: Tensor, bia
     grad, qkv = tb.channel_rows(grad), tb.channel_rows(qkv)
     q, k, v = split_qkv(qkv)
     grad_qkv = qkv.new_empty(qkv.shape)
-    dv = split_qkv(grad_qkv)[2]
+    grads = split_qkv(grad_qkv)  # dq, dk, dv: the buffer's column thirds
     ds = tb.kernels().backward(grad, q, k, v, scale.reshape(-1).contiguous(), s_inv, kv, km,
                                stats_q, stats_k, s_inv.new_empty(0), focusing_factor, num_heads,
-                               None, grads=split_qkv(grad_qkv))[3]
+                               None, grads=grads)[3]
     extra = tc.extra_part(extra_weight, extra_bias)
     weight, bias = weight.contiguous(), bias.contiguous()
     conv, hw = tc.kernels(), (H, W)
-    grad, v, dv = (grid_rows(t, hw) for t in (grad, v, dv))  # the grid's rows
+    grad, v, dv = (grid_rows(t, hw) for t in (grad, v, grads[2]))  # the grid's rows
     conv.conv_add(grad, weight, None, dv, hw, flip=True, out=dv, extra=extra)  # in place
     parts = conv.weight_grad(grad, v, weight, bias, hw, extra)
     if extra is None:
