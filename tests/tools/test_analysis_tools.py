@@ -173,7 +173,8 @@ def test_benchmark_backbone_knows_cswin_and_its_baseline():
 
 def test_benchmark_backbone_identity_variant_skips_the_core_only(monkeypatch):
     """NAME@identity (the bound a faster core cannot beat) runs every layer but
-    the attention core: no backend is called, the output is a copy of the query."""
+    the attention core: no backend is called; on the CPU's 'torch' backend the
+    output is a copy of the query."""
     from flatten_mm.models.ops import dispatch
     tool = load_tool('benchmark_backbone')
     assert tool.baseline_of('flatten-pvt-t@identity') == 'pvt-t'
@@ -195,6 +196,48 @@ def test_benchmark_backbone_identity_variant_skips_the_core_only(monkeypatch):
     assert not torch.allclose(outs[0], expected[0], atol=1e-3)
     with pytest.raises(ValueError, match='NAME@identity'):
         tool.check_model_name('swin-t@identity')
+
+
+def test_benchmark_backbone_identity_variant_on_the_fused_conv_is_one_op():
+    """Where the fused conv op takes the local term (forced 'triton' here, under
+    the interpreter), the free core hands it q itself: the layer makes that one
+    op, reading q and V, as a fused layer with a free core would, and equals
+    the same bound on the 'torch' backend (a copy of q, the conv added in place)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flatten_mm.models import FocusedLinearAttention
+    from flatten_mm.models.ops import triton_backend, use_backend
+    if not triton_backend.AVAILABLE:
+        pytest.skip('triton does not import')
+    tool = load_tool('benchmark_backbone')
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == 'flatten_mm':
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = tool.with_attention_variant(FocusedLinearAttention(16, 2, lepe=True), 'identity')
+    x = torch.randn(2, 5 * 7, 16)
+    q = torch.randn(1, 5, 16)
+    results = {}
+    for backend in ('torch', 'triton'):
+        with use_backend(backend):
+            assert (layer.attend(q, q, q, None) is q) == (backend == 'triton')
+            with Ops() as ops:
+                xb = x.clone().requires_grad_()
+                out = layer(xb, (5, 7))
+                out.square().sum().backward()
+        results[backend] = out, xb.grad, ops.names
+    assert results['triton'][2] == ['triton_local_conv_add', 'triton_local_conv_add_backward']
+    assert results['torch'][2] == []
+    torch.testing.assert_close(results['triton'][0], results['torch'][0])
+    torch.testing.assert_close(results['triton'][1], results['torch'][1])
 
 
 def test_benchmark_backbone_torch_variant_runs_the_torch_backend(monkeypatch):

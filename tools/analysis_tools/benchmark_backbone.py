@@ -31,9 +31,9 @@ Models: ``flatten-pvt-{t,s,m}``, ``flatten-pvtv2-b{0,1,2}``, ``flatten-swin-{t,s
 ``pvtv2-b{0,1,2}``, ``swin-{t,s}`` (mmdet's backbones) and ``cswin-{t,s}``
 (``FLattenCSwin`` with ``attn_type='SSSS'``: CSWin's stripes in every stage), ``NAME@reference`` for a flatten model
 whose linear attention runs the plain reference code (official op order),
-``NAME@identity`` for a flatten model whose attention term is a copy of its query (out = q;
-the DWC term, projections and everything else kept): the step with a free
-attention core, the bound no faster core can beat, and
+``NAME@identity`` for a flatten model whose attention term is its query (out = q;
+the DWC term, projections and everything else kept; :func:`free_core`): the
+step with a free attention core, the bound no faster core can beat, and
 ``NAME@torch`` for a flatten model whose attention layers run the core and
 the DWC term on the ``'torch'`` backend (PyTorch ops, as on CPUs), not the
 Triton kernels a GPU gets by default: when both are timed, ``flatten-X``'s
@@ -265,11 +265,25 @@ def with_attention_variant(model, variant: str):
             continue
         if variant in forwards:
             m.forward = types.MethodType(forwards[variant], m)
-        elif variant == 'identity':  # out = q: no focusing map, no state, no sums; a
-            # new tensor, as any core writes (q is a view of the layer's q, k, v product)
-            # (a layer whose attend is replaced runs its core and DWC as two ops)
-            m.attend = lambda q, k, v, key_mask, overwrite_qk=False, grids=None: q.clone()
+        elif variant == 'identity':
+            m.attend = types.MethodType(free_core, m)
     return model
+
+
+def free_core(self, q, k, v, key_mask, overwrite_qk=False, grids=None):
+    """An ``attend`` whose attention term is its query (out = q): no focusing
+    map, no state, no sums. A new tensor (q is a view of the layer's q, k, v
+    product) where the local term would add into it in place; q itself where
+    the fused conv op takes it, which writes a new tensor: then the layer makes
+    one op, reading q and V, as a fused layer would with a core that cost
+    nothing (a layer whose ``attend`` is replaced takes its core and DWC as two ops)."""
+    from flatten_mm.models.designs import local_kernel
+    from flatten_mm.models.ops.dispatch import choose
+    kernel = local_kernel(self)
+    if (kernel is not None and q.shape[-1] == v.shape[-1]
+            and choose('conv_add', q, v, *kernel) != 'torch'):
+        return q
+    return q.clone()
 
 
 # ----------------------------------------------------------------- worker
