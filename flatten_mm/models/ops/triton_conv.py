@@ -154,14 +154,16 @@ def check_kernel_part(name: str, weight: Tensor, bias: Optional[Tensor], C: int,
 
 def triton_conv_add(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,
                     bias: Optional[Tensor], extra: Extra = None) -> Tensor:
-    """``out + DWC(x)`` by the fused op (:func:`.conv.depthwise_conv_add`'s signature)."""
+    """``out + DWC(x)`` by the fused op (:func:`.conv.depthwise_conv_add`'s signature),
+    a new tensor. Its fallback does not write into ``out`` either: a caller may hand
+    it a view it must not write (the @identity bound of benchmark_backbone.py hands q)."""
     check_conv_call(out, x, hw, weight, bias, extra)
     parts = (weight, bias, *(extra or (None, None)))
     return run_guarded(
         _KERNELS, 'depth-wise conv kernel',
         lambda: torch.ops.flatten_mm.triton_local_conv_add(out, x, *parts, hw[0], hw[1]),
         lambda: _agrees_on_first_use(out, x, hw, weight, bias, extra),
-        lambda: torch_conv_add(out, x, hw, weight, bias, extra))
+        lambda: torch_conv_add(out, x, hw, weight, bias, extra, inplace=False))
 
 
 def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Tensor,

@@ -312,12 +312,13 @@ def test_compile_fullgraph_one_op_each():
 def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
     """Under 'auto' the first call of a configuration is checked against PyTorch's
     conv (once); a kernel that computes wrong warns with the errors, returns
-    PyTorch's result, and the process leaves the 'triton' backend."""
+    PyTorch's result without writing into out, as the op, and the process leaves
+    the 'triton' backend."""
     monkeypatch.setattr(tb, 'get_backend', lambda: 'auto')
     monkeypatch.setattr(tb, '_AGREED', set())
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
     out, x, weight, bias, _ = make(2, (5, 7), 24, 5, torch.float32)
-    want = reference(out, x, (5, 7), weight, bias)
+    want, want_out = reference(out, x, (5, 7), weight, bias), out.clone()
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -330,7 +331,8 @@ def test_first_use_checked_and_a_wrong_kernel_falls_back(monkeypatch):
     real = kernels.conv_add
     monkeypatch.setattr(kernels, 'conv_add', lambda *a, **kw: real(*a, **kw) * 1.5)
     with pytest.warns(RuntimeWarning, match=r'conv kernels disagree .*3x3 kernel, C=24.* result'):
-        got = tc.triton_conv_add(out.clone(), x, (5, 7), weight[..., 1:4, 1:4], bias)
+        got = tc.triton_conv_add(out, x, (5, 7), weight[..., 1:4, 1:4], bias)
+    assert torch.equal(out, want_out) and got.data_ptr() != out.data_ptr()
     assert torch.allclose(got, reference(out, x, (5, 7), weight[..., 1:4, 1:4], bias),
                           atol=1e-5) and not tb._KERNELS['importable']
 
