@@ -4,7 +4,7 @@ import os.path as osp
 import pytest
 import torch
 
-from demo_runs import ROOT, run, worker_threads
+from demo_runs import ROOT, heavy_first, run, worker_threads
 
 # Without CUDA the Triton kernels run under Triton's CPU interpreter. The switch
 # must be on before triton is first imported (by any test, or by torch itself):
@@ -20,6 +20,10 @@ _share = worker_threads(os.environ)
 if _share is not None:
     os.environ['OMP_NUM_THREADS'] = str(_share)
     torch.set_num_threads(_share)
+
+
+def pytest_collection_modifyitems(items):
+    heavy_first(items)
 
 
 @pytest.fixture(autouse=True)

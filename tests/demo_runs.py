@@ -59,3 +59,15 @@ def seg_options(shapes, iters):
             'train_dataloader.persistent_workers=False', 'val_dataloader.num_workers=0',
             'val_dataloader.persistent_workers=False', 'test_dataloader.num_workers=0',
             'test_dataloader.persistent_workers=False', 'default_hooks.logger.interval=1']
+
+
+def heavy_first(items: list) -> None:
+    """Tests marked ``heavy(SECONDS)`` first, the longest first, in place; the
+    rest after them in their own order. pytest-xdist's ``worksteal`` hands each
+    worker a share of this order, and a worker that runs out takes the other's
+    last ones: so the workers end together, not one of them alone in a long
+    test at the end."""
+    def seconds(item) -> float:
+        mark = item.get_closest_marker('heavy')
+        return mark.args[0] if mark is not None else 0
+    items.sort(key=lambda item: -seconds(item))

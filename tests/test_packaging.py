@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from demo_runs import ROOT, losses, run, seg_options, worker_threads
+from demo_runs import ROOT, heavy_first, losses, run, seg_options, worker_threads
 
 BIN = osp.dirname(sys.executable)
 MODEL_FOLDERS = ('flatten_pvt', 'flatten_swin', 'flatten_cswin', 'flatten_pvtv2', 'flatten_deit',
@@ -61,6 +61,7 @@ def copy_sources(dst):
             shutil.copy2(osp.join(ROOT, f), osp.join(dst, f))
 
 
+@pytest.mark.heavy(20)
 def test_wheel_ships_mim_files_and_mim_trains_from_it(shapes, tmp_path):
     src, target = str(tmp_path / 'src'), str(tmp_path / 'site')
     copy_sources(src)
@@ -131,6 +132,24 @@ def test_an_older_torch_is_refused_at_import_by_name():
     for old in ('2.9.1+cu128', '2.6.0', '1.13.1'):
         with pytest.raises(ImportError, match=rf'torch >= 2\.11, found torch {re.escape(old)}'):
             check_torch(old)
+
+
+def test_heavy_tests_run_first(request):
+    """Tests marked heavy come first in the order pytest-xdist shares out (this
+    session's order too), the longest first, the rest after them in their order."""
+    class Item:
+        def __init__(self, name: str, seconds: float = 0):
+            self.name, self.seconds = name, seconds
+
+        def get_closest_marker(self, name: str):
+            return pytest.mark.heavy(self.seconds).mark if self.seconds else None
+
+    items = [Item('a'), Item('b', 20), Item('c'), Item('d', 90), Item('e', 20)]
+    heavy_first(items)
+    assert [item.name for item in items] == ['d', 'b', 'e', 'a', 'c']
+    seconds = [mark.args[0] if mark else 0
+               for mark in (item.get_closest_marker('heavy') for item in request.session.items)]
+    assert seconds == sorted(seconds, reverse=True) and seconds[0] >= 20
 
 
 def test_make_test_workers_share_the_cores():

@@ -136,6 +136,7 @@ def recording_backend(graphs, aot=True):
     return backend
 
 
+@pytest.mark.heavy(20)
 def test_compiled_second_size_is_one_static_recompile():
     """Default settings (dynamic=None): a second input size recompiles once,
     specialised to its size (no symbolic shapes: tracing them took minutes and
@@ -265,6 +266,7 @@ def test_torch_export_keeps_autocast_inside_forward(kind):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
 
 
+@pytest.mark.heavy(25)
 def test_onnx_export_runs_in_onnxruntime(tmp_path):
     """FLatten-PVT-T's backbone through torch.onnx (dynamo exporter) and
     onnxruntime's CPU provider, against eager."""

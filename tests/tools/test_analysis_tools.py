@@ -74,6 +74,7 @@ def test_benchmark_attention_reports_ratios(tmp_path):
         tool.main(['--cases', '12x16x30x4'])  # C not divisible by heads
 
 
+@pytest.mark.heavy(26)
 def test_benchmark_backbone_interleaves_writes_and_survives_oom(tmp_path):
     tool = load_tool('benchmark_backbone')
     rows = tool.main(['--models', 'flatten-pvt-t', 'pvt-t', '--sizes', '64', '--modes', 'fwdbwd',
@@ -128,6 +129,7 @@ def test_benchmark_backbone_paired_steps(tmp_path, capsys):
     assert 'CPU-time x baseline' in out and 'MiB faulted per step' in out
 
 
+@pytest.mark.heavy(40)
 def test_benchmarks_compile_before_timing():
     """--compile [BACKEND]: the layer's paths and the backbones run compiled
     (compiled at the warm-up steps, which --compile therefore needs)."""
@@ -470,6 +472,7 @@ def test_benchmark_backbone_times_the_authors_release(tmp_path, monkeypatch):
             tool.main(argv)
 
 
+@pytest.mark.heavy(31)
 def test_check_compile_counts_graphs_and_compares_with_eager(tmp_path):
     """Two sizes, then the first again: two graphs, no break, and the compiled
     outputs and gradients equal eager's (aot_eager: dynamo's tracing and AOT

@@ -26,6 +26,7 @@ def test_data_is_deterministic_and_complete(shapes, tmp_path):
     assert train['annotations'][0]['segmentation'] != coco['annotations'][0]['segmentation']
 
 
+@pytest.mark.heavy(37)
 def test_detection_demo_trains_evaluates_and_draws(shapes, tmp_path):
     cfg = osp.join(ROOT, 'configs/demo/mask-rcnn_flatten-pvt-t_fpn_shapes.py')
     work = str(tmp_path / 'det')
@@ -51,6 +52,7 @@ def test_detection_demo_trains_evaluates_and_draws(shapes, tmp_path):
 
 @pytest.mark.parametrize('config', ['fpn_flatten-pvt-t_shapes.py', 'fpn_flatten-pvtv2-b0_shapes.py',
                                     'upernet_flatten-swin-t_shapes.py'])
+@pytest.mark.heavy(25)
 def test_segmentation_demo_trains_and_evaluates(shapes, tmp_path, config):
     cfg = osp.join(ROOT, 'configs/demo', config)
     work = str(tmp_path / 'seg')

@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from demo_runs import ROOT, run
 
 
+@pytest.mark.heavy(31)
 def test_demo_script_prints_both_result_lines(shapes, tmp_path):
     work = str(tmp_path / 'demo')
     env = dict(DEMO_DATA=shapes, MAX_ITERS_DET='2', MAX_ITERS_SEG='2', PY=sys.executable,
@@ -34,6 +37,7 @@ def test_demo_script_prints_both_result_lines(shapes, tmp_path):
     assert osp.join(work, 'det') in done and osp.join(work, 'seg') in done, done
 
 
+@pytest.mark.heavy(21)
 def test_demo_script_stops_both_runs_on_ctrl_c(shapes, tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) stops both training
     runs, not only the script, and says where the logs are."""

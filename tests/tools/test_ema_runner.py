@@ -24,6 +24,7 @@ default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
 '''
 
 
+@pytest.mark.heavy(20)
 def test_ema_validation_equals_testing_the_ema_checkpoint(shapes, tmp_path):
     pytest.importorskip('mmdet')
     val, test = str(tmp_path / 'val.pkl'), str(tmp_path / 'test.pkl')

@@ -87,6 +87,7 @@ def build(tmp_path, arch, *args):
 
 
 @pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
+@pytest.mark.heavy(21)
 def test_every_kernel_builds_for_sm90_without_spills(tmp_path):
     by_case = build(tmp_path, 90, '--dtypes', 'bf16', 'fp16', 'fp32')
     assert len(by_case) == 4 * 3  # the default cases, three dtypes
@@ -120,6 +121,7 @@ def test_bf16_kernels_build_for_sm80_without_spills(tmp_path):
 
 @pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
 @pytest.mark.parametrize('arch', [100, 103, 120])
+@pytest.mark.heavy(21)
 def test_half_kernels_build_for_blackwell_without_spills(tmp_path, arch):
     """B200 and B300 (sm_100, sm_103: tcgen05 dots), and the RTX 50 series
     (sm_120: warp-level dots, where the fused one-head query pass spilled 212

@@ -5,6 +5,7 @@ import json
 import os.path as osp
 import re
 
+import pytest
 import torch
 
 from demo_runs import ROOT, run
@@ -31,6 +32,7 @@ def cls_options(shapes):
     return ['--cfg-options', *options]
 
 
+@pytest.mark.heavy(27)
 def test_pretrain_then_initialise_the_demo_detector(shapes, tmp_path):
     work = str(tmp_path / 'cls')
     log = run(TRAIN, CLS, '--work-dir', work, *cls_options(shapes), cwd=ROOT)

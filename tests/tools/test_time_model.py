@@ -105,6 +105,7 @@ STUB = {  # a flatten_mm of another day whose FLattenPVT is mmdet's PVT-T
 }
 
 
+@pytest.mark.heavy(21)
 def test_measured_flatten_rows_are_counted_with_their_checkout(tmp_path):
     """``--rev-dir``'s flatten_mm builds the measured flatten models (here one
     whose FLattenPVT is mmdet's PVT-T: counted the same), the softmax ones and

@@ -24,6 +24,7 @@ BLOCKS = {'flatten-swin-t': (0, 0, 4), 'flatten-pvt-t': (0, 0, 8),
           'timm:flatten_deit_tiny': (0, 0, 12)}
 
 
+@pytest.mark.heavy(28)
 def test_every_family_traces_for_cuda_in_one_graph(tmp_path):
     tool = load_tool('trace_cuda')
     rows = tool.main(['--models', *BLOCKS, '--size', '64x96', '--dtypes', 'fp32',
@@ -58,6 +59,7 @@ def test_a_break_fails_the_run(monkeypatch):
     assert exc.value.code == 1
 
 
+@pytest.mark.heavy(21)
 def test_compiled_on_the_cuda_path_one_graph_per_size(monkeypatch):
     """Compiled at two sizes and back at the first: two graphs. Nothing on the CUDA
     path is guarded on but the sizes (the conv's first-use check once imported
@@ -72,6 +74,7 @@ def test_compiled_on_the_cuda_path_one_graph_per_size(monkeypatch):
         assert row['status'] == 'ok' and row['graphs'] == 2, row
 
 
+@pytest.mark.heavy(23)
 def test_a_training_step_on_the_cuda_path_makes_nothing_of_the_size_again():
     """At mmdet's detection size and batch: the second training forward serves
     the resize weights of every positional encoding and the windows' masks from

@@ -39,6 +39,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.heavy(44)
 def test_resume_after_kill_matches_uninterrupted_run(shapes, tmp_path):
     """Kill a run right after its first checkpoint, resume it: the final
     weights and mIoU equal the uninterrupted run's exactly (same ops on the
@@ -126,6 +127,7 @@ def torchrun(nproc, *args, cwd):
     return log
 
 
+@pytest.mark.heavy(32)
 def test_two_process_training_matches_one_process(shapes, tmp_path):
     """2 gloo processes x 2 images == 1 process x 4 images (random flips off,
     so both see the same pixels). Gradients are summed in another order and
@@ -241,6 +243,7 @@ def test_train_and_test_scripts_end_the_process_group(monkeypatch):
     common.end_distributed(True)  # no process group: nothing to do
 
 
+@pytest.mark.heavy(93)
 def test_compile_trains_the_demo_mask_rcnn(shapes, tmp_path):
     # mmengine's compile=True compiles the whole train_step, optimizer step
     # included: dynamo traces it only with PlainParamGroupsHook, which

@@ -395,6 +395,7 @@ def test_token_blocks_fit_the_grids_second_axis(monkeypatch):
     assert len(grids) >= 8 and all(n <= 3 for grid in grids for n in grid[1:]), grids
 
 
+@pytest.mark.heavy(27)
 def test_the_gpus_tilings_compute_the_same(monkeypatch):
     """The interpreter tiles by 16 tokens; the GPU by 128 (d = 32) or 64 (d = 64)
     with TF32 dots, 32 or 16 with exact fp32, in chunks sized for 132

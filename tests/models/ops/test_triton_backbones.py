@@ -85,6 +85,7 @@ def steps(model, x, ops: tuple = ONE_OP, autocast: bool = False):
 
 
 @pytest.mark.parametrize('case', sorted(CASES))
+@pytest.mark.heavy(25)
 def test_backbone_on_the_kernels_equals_the_torch_backend(case):
     """fp32: outputs and gradients to 1e-4 relative (the kernels sum in
     another order; measured a few 1e-6 at most). Besides the registered
