@@ -69,5 +69,10 @@ def heavy_first(items: list) -> None:
     test at the end."""
     def seconds(item) -> float:
         mark = item.get_closest_marker('heavy')
-        return mark.args[0] if mark is not None else 0
+        if mark is None:
+            return 0
+        if len(mark.args) != 1:
+            raise ValueError(f'{item.nodeid}: heavy takes the seconds the test takes, as '
+                             f'@pytest.mark.heavy(30), got {mark.args}')
+        return mark.args[0]
     items.sort(key=lambda item: -seconds(item))

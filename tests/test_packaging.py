@@ -138,18 +138,22 @@ def test_heavy_tests_run_first(request):
     """Tests marked heavy come first in the order pytest-xdist shares out (this
     session's order too), the longest first, the rest after them in their order."""
     class Item:
-        def __init__(self, name: str, seconds: float = 0):
-            self.name, self.seconds = name, seconds
+        def __init__(self, name: str, seconds: float = 0, mark=None):
+            self.nodeid, self.mark = name, mark
+            if seconds:
+                self.mark = pytest.mark.heavy(seconds).mark
 
         def get_closest_marker(self, name: str):
-            return pytest.mark.heavy(self.seconds).mark if self.seconds else None
+            return self.mark
 
     items = [Item('a'), Item('b', 20), Item('c'), Item('d', 90), Item('e', 20)]
     heavy_first(items)
-    assert [item.name for item in items] == ['d', 'b', 'e', 'a', 'c']
+    assert [item.nodeid for item in items] == ['d', 'b', 'e', 'a', 'c']
+    with pytest.raises(ValueError, match=r'x: heavy takes the seconds .* got \(\)'):
+        heavy_first([Item('a', 20), Item('x', mark=pytest.mark.heavy.mark)])
     seconds = [mark.args[0] if mark else 0
                for mark in (item.get_closest_marker('heavy') for item in request.session.items)]
-    assert seconds == sorted(seconds, reverse=True) and seconds[0] >= 20
+    assert seconds == sorted(seconds, reverse=True)
 
 
 def test_make_test_workers_share_the_cores():

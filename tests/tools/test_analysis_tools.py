@@ -219,8 +219,9 @@ def test_benchmark_backbone_identity_variant_on_the_fused_conv_is_one_op():
             self.names = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == 'flatten_mm':
-                self.names.append(func.overloadpacket.__name__)
+            name = func.overloadpacket.__name__
+            if func.namespace == 'flatten_mm' or name == 'clone':
+                self.names.append(name)
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
@@ -231,13 +232,15 @@ def test_benchmark_backbone_identity_variant_on_the_fused_conv_is_one_op():
     for backend in ('torch', 'triton'):
         with use_backend(backend):
             assert (layer.attend(q, q, q, None) is q) == (backend == 'triton')
+            xb = x.clone().requires_grad_()
             with Ops() as ops:
-                xb = x.clone().requires_grad_()
                 out = layer(xb, (5, 7))
                 out.square().sum().backward()
         results[backend] = out, xb.grad, ops.names
+    # on the fused op the layer's one op each way, no copy of q (the 'torch' step's
+    # conv adds into a copy of q; its other copies are its conv's own)
     assert results['triton'][2] == ['triton_local_conv_add', 'triton_local_conv_add_backward']
-    assert results['torch'][2] == []
+    assert set(results['torch'][2]) == {'clone'}
     torch.testing.assert_close(results['triton'][0], results['torch'][0])
     torch.testing.assert_close(results['triton'][1], results['torch'][1])
 

@@ -272,14 +272,18 @@ def with_attention_variant(model, variant: str):
 
 def free_core(self, q, k, v, key_mask, overwrite_qk=False, grids=None):
     """An ``attend`` whose attention term is its query (out = q): no focusing
-    map, no state, no sums. A new tensor (q is a view of the layer's q, k, v
-    product) where the local term would add into it in place; q itself where
-    the fused conv op takes it, which writes a new tensor: then the layer makes
-    one op, reading q and V, as a fused layer would with a core that cost
-    nothing (a layer whose ``attend`` is replaced takes its core and DWC as two ops)."""
+    map, no state, no sums. q itself where the layer's fused conv op takes the
+    local term, which writes a new tensor: then the layer makes one op, reading
+    q and V, as a fused layer would with a core that cost nothing (a layer whose
+    ``attend`` is replaced takes its core and DWC as two ops). Otherwise a new
+    tensor, as any core writes: the 'torch' backend adds the local term into it
+    in place, and q is a view (of the q, k, v product, or of the q projection
+    with reduced keys) that must not be written."""
     from flatten_mm.models.designs import local_kernel
     from flatten_mm.models.ops.dispatch import choose
     kernel = local_kernel(self)
+    # the layer hands the op V on the query grid (resized with reduced keys): the
+    # choice reads the tensors' device and dtype, which V's resized form keeps
     if (kernel is not None and q.shape[-1] == v.shape[-1]
             and choose('conv_add', q, v, *kernel) != 'torch'):
         return q
