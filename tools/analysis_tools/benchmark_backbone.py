@@ -277,8 +277,8 @@ def free_core(self, q, k, v, key_mask, overwrite_qk=False, grids=None):
     q and V, as a fused layer would with a core that cost nothing (a layer whose
     ``attend`` is replaced takes its core and DWC as two ops). Otherwise a new
     tensor, as any core writes: the 'torch' backend adds the local term into it
-    in place, and q is a view (of the q, k, v product, or of the q projection
-    with reduced keys) that must not be written."""
+    in place, and q (a view of the q, k, v product; with reduced keys the q
+    projection's output) must not be written."""
     from flatten_mm.models.designs import local_kernel
     from flatten_mm.models.ops.dispatch import choose
     kernel = local_kernel(self)
