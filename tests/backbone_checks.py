@@ -1,11 +1,24 @@
 """Checks every dense backbone must pass, shared by the backbone tests."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class OpLog(TorchDispatchMode):
+    """The name of every op dispatched inside it (``triton_attention_local``,
+    ``clone``, ...), in order, in ``names``."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def calls_of(op, step) -> list:
     """The positional arguments of every call of ATen ``op`` (an overload
     packet, e.g. ``torch.ops.aten.addcmul``) that ``step()`` dispatches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     calls = []
 
     class Record(TorchDispatchMode):

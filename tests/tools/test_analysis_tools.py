@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from analysis_tool import load_tool
+from backbone_checks import OpLog
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 
@@ -205,25 +206,11 @@ def test_benchmark_backbone_identity_variant_on_the_fused_conv_is_one_op():
     the interpreter), the free core hands it q itself: the layer makes that one
     op, reading q and V, as a fused layer with a free core would, and equals
     the same bound on the 'torch' backend (a copy of q, the conv added in place)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from flatten_mm.models import FocusedLinearAttention
     from flatten_mm.models.ops import triton_backend, use_backend
     if not triton_backend.AVAILABLE:
         pytest.skip('triton does not import')
     tool = load_tool('benchmark_backbone')
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if func.namespace == 'flatten_mm' or name == 'clone':
-                self.names.append(name)
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     layer = tool.with_attention_variant(FocusedLinearAttention(16, 2, lepe=True), 'identity')
     x = torch.randn(2, 5 * 7, 16)
@@ -233,16 +220,20 @@ def test_benchmark_backbone_identity_variant_on_the_fused_conv_is_one_op():
         with use_backend(backend):
             assert (layer.attend(q, q, q, None) is q) == (backend == 'triton')
             xb = x.clone().requires_grad_()
-            with Ops() as ops:
+            with OpLog() as log:
                 out = layer(xb, (5, 7))
                 out.square().sum().backward()
-        results[backend] = out, xb.grad, ops.names
+        results[backend] = out, xb.grad, [name for name in log.names
+                                          if name.startswith('triton') or name == 'clone']
     # on the fused op the layer's one op each way, no copy of q (the 'torch' step's
     # conv adds into a copy of q; its other copies are its conv's own)
     assert results['triton'][2] == ['triton_local_conv_add', 'triton_local_conv_add_backward']
     assert set(results['torch'][2]) == {'clone'}
     torch.testing.assert_close(results['triton'][0], results['torch'][0])
     torch.testing.assert_close(results['triton'][1], results['torch'][1])
+    # no local term: nothing writes into q on any backend
+    bare = tool.with_attention_variant(FocusedLinearAttention(16, 2, kernel_size=0), 'identity')
+    assert bare.attend(q, q, q, None) is q
 
 
 def test_benchmark_backbone_torch_variant_runs_the_torch_backend(monkeypatch):

@@ -272,22 +272,20 @@ def with_attention_variant(model, variant: str):
 
 def free_core(self, q, k, v, key_mask, overwrite_qk=False, grids=None):
     """An ``attend`` whose attention term is its query (out = q): no focusing
-    map, no state, no sums. q itself where the layer's fused conv op takes the
-    local term, which writes a new tensor: then the layer makes one op, reading
-    q and V, as a fused layer would with a core that cost nothing (a layer whose
-    ``attend`` is replaced takes its core and DWC as two ops). Otherwise a new
-    tensor, as any core writes: the 'torch' backend adds the local term into it
-    in place, and q (a view of the q, k, v product; with reduced keys the q
-    projection's output) must not be written."""
+    map, no state, no sums. q itself where nothing writes into it: the layer's
+    fused conv op takes the local term and writes a new tensor (then the layer
+    makes one op, reading q and V, as a fused layer would with a core that cost
+    nothing; a layer whose ``attend`` is replaced takes its core and DWC as two
+    ops), or there is no local term. A new tensor, as any core writes, where the
+    'torch' backend adds the local term into it in place: q (a view of the q, k,
+    v product; with reduced keys the q projection's output) must not be written."""
     from flatten_mm.models.designs import local_kernel
     from flatten_mm.models.ops.dispatch import choose
     kernel = local_kernel(self)
     # the layer hands the op V on the query grid (resized with reduced keys): the
     # choice reads the tensors' device and dtype, which V's resized form keeps
-    if (kernel is not None and q.shape[-1] == v.shape[-1]
-            and choose('conv_add', q, v, *kernel) != 'torch'):
-        return q
-    return q.clone()
+    in_place = kernel is not None and choose('conv_add', q, v, *kernel) == 'torch'
+    return q.clone() if in_place else q
 
 
 # ----------------------------------------------------------------- worker

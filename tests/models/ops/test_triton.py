@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backbone_checks import OpLog
 from flatten_mm.models.ops import available_backends, focused_linear_attention, use_backend
 from flatten_mm.models.ops import triton_backend as tb
 
@@ -696,22 +697,14 @@ def test_the_backward_makes_no_zero_gradients_for_the_states():
     GPU); the kernels take the raw scale, so no op outside the Triton ones makes
     1 / softplus(scale) or takes its gradient on (six ops a layer, two of them
     forward); the gradients stay the reference's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     q, k, v, scale, _, g = inputs(2, 24, 24, 16, torch.float32)
     ts = [t.detach().requires_grad_() for t in (q, k, v, scale)]
-    ops = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-    with Log(), use_backend('triton'):
+    with OpLog() as log, use_backend('triton'):
         out = focused_linear_attention(*ts, 3.0, 2, None)
-    assert ops == ['triton_focused_attention'], ops
-    ops.clear()
-    with Log():
+    assert log.names == ['triton_focused_attention'], log.names
+    with OpLog() as log:
         grads = torch.autograd.grad(out, ts, g)
-    assert ops == ['triton_focused_attention_backward'], ops
+    assert log.names == ['triton_focused_attention_backward'], log.names
     ref = run('reference', q, k, v, scale, 3.0, 2, None, g, torch.float64)
     for name, x, r in zip(NAMES[1:], grads, ref[1:]):
         assert rel_err(x, r) < TOL[torch.float32], name

@@ -12,16 +12,17 @@ with TF32 off on both sides (tests/models/test_tooling.py's
 ``test_cuda_equals_cpu`` also checks similar small backbones there against
 the CPU).
 """
+from collections import Counter
+
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatten_mm.models import FocusedLinearAttention
 from flatten_mm.models.ops import triton_backend as tb
 from flatten_mm.models.ops import use_backend
 
-from backbone_checks import (FAMILIES, assert_grads_close, loss_and_grads, relative_error,
-                             small_backbone)
+from backbone_checks import (FAMILIES, OpLog, assert_grads_close, loss_and_grads,
+                             relative_error, small_backbone)
 
 pytestmark = pytest.mark.skipif(not tb.AVAILABLE, reason='triton does not import')
 
@@ -37,28 +38,14 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
-class Ops(TorchDispatchMode):
-    """Counts the flatten_mm ops a step dispatches, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == 'flatten_mm':
-            name = func.overloadpacket.__name__
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def run(model, x, backend: str, autocast: bool = False):
     """Outputs and gradients of a training step on ``backend`` (forced: a
-    failing kernel raises, it does not fall back), and the flatten_mm ops it
-    dispatched by name."""
-    with use_backend(backend), Ops() as ops:
+    failing kernel raises, it does not fall back), and the Triton ops it
+    dispatched, counted by name."""
+    with use_backend(backend), OpLog() as log:
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
             outs, grads = loss_and_grads(model, x)
-    return outs, grads, ops.counts
+    return outs, grads, Counter(name for name in log.names if name.startswith('triton'))
 
 
 # the Triton ops every linear layer takes each way: the attention and its local term
@@ -78,7 +65,7 @@ def steps(model, x, ops: tuple = ONE_OP, autocast: bool = False):
     assert linear > 0
     want, want_grads, plain = run(model, x, 'torch', autocast)
     got, got_grads, fused = run(model, x, 'triton', autocast)
-    assert not [name for name in plain if name.startswith('triton')], plain
+    assert not plain, plain
     for op in ops:
         assert fused.get(op) == fused.get(f'{op}_backward') == linear, fused
     return (want, want_grads), (got, got_grads)

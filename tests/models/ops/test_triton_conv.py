@@ -16,6 +16,7 @@ import contextlib
 import pytest
 import torch
 
+from backbone_checks import OpLog
 from conv_checks import conv_of_tokens, outputs_and_grads
 from flatten_mm.models import FocusedLinearAttention
 from flatten_mm.models.ops import depthwise_conv_add, use_backend
@@ -174,25 +175,18 @@ def test_the_layers_local_term_is_one_op_each_way():
     op alone and the backward its backward op alone, where the merged kernel
     took a repeat, a pad and two adds forward and their backward (sums over the
     heads, the pad's slice) each step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from flatten_mm.models.designs import local_kernel
     layer = FocusedLinearAttention(32, 2, lepe=True).to(DEVICE)
     out, x, _, _, g = make(2, (5, 7), 32, 1, torch.float32)
     x.requires_grad_()
-    ops = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-    with use_backend('triton'), Log():
+    with use_backend('triton'), OpLog() as log:
         y = depthwise_conv_add(out, x, (5, 7), *local_kernel(layer))
-    assert ops == ['triton_local_conv_add'], ops
-    ops.clear()
-    with Log():
+    assert log.names == ['triton_local_conv_add'], log.names
+    with OpLog() as log:
         y.backward(g)
     # (and the leaves' detach as their .grad is set: no kernel)
-    assert [op for op in ops if op != 'detach'] == ['triton_local_conv_add_backward'], ops
+    ops = [op for op in log.names if op != 'detach']
+    assert ops == ['triton_local_conv_add_backward'], log.names
     assert layer.dwc.weight.grad.shape == (16, 1, 5, 5) and layer.get_v.bias.grad.shape == (32, )
 
 

@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatten_mm.models import FocusedLinearAttention
 from flatten_mm.models.designs import local_kernel
@@ -22,6 +21,8 @@ from flatten_mm.models.ops import triton_backend as tb
 from flatten_mm.models.ops import triton_conv as tc
 from flatten_mm.models.ops import triton_fused as tf
 from flatten_mm.models.ops.local import torch_attention_local
+
+from backbone_checks import OpLog
 
 pytestmark = pytest.mark.skipif(not tb.AVAILABLE, reason='triton does not import')
 
@@ -89,16 +90,6 @@ def test_matches_the_two_ops(B, hw, C, h, K, lepe, dtype, prefix):
         assert ((a.double() - c.double()).norm() / c.double().norm()).item() < tol, name
 
 
-class Log(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize('lepe', [False, True])
 def test_a_layer_is_one_op_each_way(lepe):
     """An unmasked layer between its projections: the forward's one op, and the
@@ -106,15 +97,15 @@ def test_a_layer_is_one_op_each_way(lepe):
     v's two."""
     layer = FocusedLinearAttention(32, 2, lepe=lepe).to(DEVICE)
     x = torch.randn(2, 30, 32, device=DEVICE, requires_grad=True)
-    with use_backend('triton'), Log() as log:
+    with use_backend('triton'), OpLog() as log:
         y = layer(x, (5, 6))
-    assert 'triton_attention_local' in log.ops and 'cat' in log.ops  # (q and kv weights)
-    assert not {'triton_focused_attention', 'triton_local_conv_add'} & set(log.ops)
-    with Log() as log:
+    assert 'triton_attention_local' in log.names and 'cat' in log.names  # (q and kv weights)
+    assert not {'triton_focused_attention', 'triton_local_conv_add'} & set(log.names)
+    with OpLog() as log:
         y.sum().backward()
     # (two ops: their backward ops, then the add of v's gradients and the cat)
-    assert log.ops.count('triton_attention_local_backward') == 1
-    assert 'cat' not in log.ops and 'add' not in log.ops, log.ops
+    assert log.names.count('triton_attention_local_backward') == 1
+    assert 'cat' not in log.names and 'add' not in log.names, log.names
 
 
 @pytest.mark.parametrize('lepe', [False, True])
