@@ -91,6 +91,22 @@ def test_compiled_training_step_equals_eager(kind, backend):
     assert_grads_close(got_grads, want_grads, 1e-4)
 
 
+@pytest.mark.parametrize('kind', sorted(BACKBONES))
+def test_compiled_inference_is_one_graph_equal_to_eager(kind):
+    """Inference as a test loop runs it (eval, no gradient, where the layers may
+    overwrite q and k): torch.compile(fullgraph=True) captures the forward
+    without a graph break (it broke on the core's out= into q's strided view
+    in every layer) and equals eager."""
+    model = backbone(kind).eval()
+    x = torch.randn(2, 3, 45, 77)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend='eager')
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            for a, b in zip(compiled(x), model(x)):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def tensor_caches(model):
     """Each module's tensor cache, by module name (modules without one left out)."""
     return {n: m.__dict__['_tensor_cache'] for n, m in model.named_modules()

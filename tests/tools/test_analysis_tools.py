@@ -130,10 +130,12 @@ def test_benchmark_backbone_paired_steps(tmp_path, capsys):
     assert 'CPU-time x baseline' in out and 'MiB faulted per step' in out
 
 
-@pytest.mark.heavy(40)
 def test_benchmarks_compile_before_timing():
     """--compile [BACKEND]: the layer's paths and the backbones run compiled
-    (compiled at the warm-up steps, which --compile therefore needs)."""
+    (compiled at the warm-up steps, which --compile therefore needs), the
+    forward (no gradient) with no graph break."""
+    from torch._dynamo.utils import counters
+    counters.clear()
     attention = load_tool('benchmark_attention')
     (row,) = attention.main(['--cases', '12x16x32x2', '--repeats', '1', '--mode', 'fwd',
                              '--compile', 'aot_eager'])
@@ -144,6 +146,7 @@ def test_benchmarks_compile_before_timing():
                               device='cpu', compile='aot_eager'))
     assert isinstance(case.model, torch._dynamo.eval_frame.OptimizedModule)
     assert case.step().wall_s > 0
+    assert not counters['graph_break'], dict(counters['graph_break'])
     for tool in (attention, backbone):
         with pytest.raises(SystemExit):
             tool.main(['--compile', '--warmup', '0'])

@@ -203,7 +203,9 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
                 num_heads: int, key_mask: Optional[Tensor], overwrite_qk: bool) -> Tensor:
         B, N, C = q.shape
         p, h = focusing_factor, num_heads
-        in_place = overwrite_qk and not any(ctx.needs_input_grad[:4])  # nothing saved
+        # nothing saved; compilers take no out= into q's and k's strided views
+        in_place = overwrite_qk and not any(ctx.needs_input_grad[:4]) and \
+            not torch.compiler.is_compiling()
         parts_k, ck, share = FocusedLinearAttentionFn._keys(k, s_inv, p, key_mask, False,
                                                             in_place)
         uk = parts_k.sharpened.mul_(ck * share)  # kappa * u
