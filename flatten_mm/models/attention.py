@@ -287,7 +287,10 @@ class FocusedLinearAttention(nn.Module):
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
-        out = self.attend(q, k, v, key_mask, overwrite_qk=True, grids=(hw_shape, grid))
+        # q and k may be overwritten where they are views of the layer's own product;
+        # with reduced keys q is the output of the q projection, which a hook may hold
+        own = self.sr_ratio == 1 and _own_method(self, 'project_qkv')
+        out = self.attend(q, k, v, key_mask, overwrite_qk=own, grids=(hw_shape, grid))
         out = add_local_term(self, out, v, grid, hw_shape)
         return self.proj_drop(self.proj(out))
 

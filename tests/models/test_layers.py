@@ -21,10 +21,11 @@ def test_drop_path_with_residual_is_one_fused_sum():
     assert torch.all(dropped_whole | kept_scaled)
     dp.eval()
     assert torch.equal(dp(x, res), res + x)
-    with torch.no_grad():  # inference: the sum lands in the branch's buffer
+    with torch.no_grad():  # inference: a new tensor, the branch's output left alone
         branch = x.clone()
-        assert dp(branch, res).data_ptr() == branch.data_ptr()
-    assert torch.equal(branch, res + x)
+        out = dp(branch, res)
+    assert out.data_ptr() != branch.data_ptr() and torch.equal(out, res + x)
+    assert torch.equal(branch, x)
 
 
 @pytest.mark.parametrize('grad', [True, False])

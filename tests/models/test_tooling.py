@@ -107,6 +107,42 @@ def test_compiled_inference_is_one_graph_equal_to_eager(kind):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def outputs_changed_after_return(model, x, grad: bool) -> list:
+    """Modules whose output tensor, as a forward hook holds it, differs after
+    the model's forward (and backward) from what the module returned."""
+    held, names = [], {m: n for n, m in model.named_modules()}
+
+    def hold(module, args, out):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                held.append((names[module], t, t.detach().clone()))
+    hooks = [m.register_forward_hook(hold) for m in model.modules()]
+    with torch.set_grad_enabled(grad):
+        outs = model(x)
+        if grad:
+            sum(o.sum() for o in outs).backward()
+    for h in hooks:
+        h.remove()
+    assert len(held) > 20
+    return sorted({n for n, t, was in held if not torch.equal(t.detach(), was)})
+
+
+@pytest.mark.parametrize('kind', sorted(BACKBONES) + ['pvt-reduced-keys'])
+def test_forward_hooks_hold_what_modules_returned(kind):
+    """A hook that keeps a module's output (feature extraction, visualisation)
+    keeps what the module returned: in inference the blocks summed the
+    residual into the attention's and MLP's outputs in place, and layers with
+    reduced keys overwrote the q projection's output with the focused map."""
+    if kind == 'pvt-reduced-keys':
+        model = FLattenPVT(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4],
+                           depths=[1, 1, 1, 1], attn_type='LLLL', sr_ratios=[4, 2, 1, 1])
+    else:
+        model = backbone(kind)
+    x = torch.randn(2, 3, 45, 77)
+    assert outputs_changed_after_return(model.eval(), x, grad=False) == []
+    assert outputs_changed_after_return(model.train(), x, grad=True) == []
+
+
 def tensor_caches(model):
     """Each module's tensor cache, by module name (modules without one left out)."""
     return {n: m.__dict__['_tensor_cache'] for n, m in model.named_modules()
