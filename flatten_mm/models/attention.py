@@ -127,6 +127,13 @@ def _own_method(layer: nn.Module, name: str) -> bool:
         getattr(type(layer), name) is getattr(FocusedLinearAttention, name)
 
 
+def owns_qk(layer: nn.Module) -> bool:
+    """Whether the q and k of ``layer.project_qkv`` are views of the layer's own
+    q, k, v product, which the core may overwrite in inference. With reduced keys
+    q is the output of the ``q`` projection, which a forward hook may hold."""
+    return layer.sr_ratio == 1 and _own_method(layer, 'project_qkv')
+
+
 def attend_with_local_term(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor:
     """The attention term plus DWC(V) (+ LePE) of a layer that
     :func:`fuses_local_term`, on x (B, P + H*W, C) (prefix tokens take no DWC
@@ -287,10 +294,7 @@ class FocusedLinearAttention(nn.Module):
         q, k, v, grid = self.project_qkv(x, hw_shape)
         if key_mask is not None:
             v = v * key_mask.unsqueeze(-1).to(v.dtype)
-        # q and k may be overwritten where they are views of the layer's own product;
-        # with reduced keys q is the output of the q projection, which a hook may hold
-        own = self.sr_ratio == 1 and _own_method(self, 'project_qkv')
-        out = self.attend(q, k, v, key_mask, overwrite_qk=own, grids=(hw_shape, grid))
+        out = self.attend(q, k, v, key_mask, overwrite_qk=owns_qk(self), grids=(hw_shape, grid))
         out = add_local_term(self, out, v, grid, hw_shape)
         return self.proj_drop(self.proj(out))
 
