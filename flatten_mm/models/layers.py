@@ -105,8 +105,7 @@ class DropPath(nn.Module):
     (``addcmul`` with the per-sample scale) instead of three. The blocks pass
     their branch's output as x; the sum is a new tensor, in inference too: x
     is also the output of the branch's module, which a forward hook may hold
-    (summed into x in place, it read x + residual; the saving was at most 2%
-    of a CPU forward).
+    (summed into x in place, it read x + residual; docs/design.md).
 
     Under torch.compile the rate is read from the ``keep_prob`` buffer (not
     saved in checkpoints), a tensor, instead of the Python float: the blocks'
