@@ -142,7 +142,7 @@ def attend_with_local_term(layer: nn.Module, x: Tensor, hw_shape: HWShape) -> Te
     on the Triton backend, which writes the product's gradient at once)."""
     return attention_with_local_term(stacked_qkv(layer, x, hw_shape), layer.scale,
                                      layer.focusing_factor, layer.num_heads, hw_shape,
-                                     *local_kernel(layer), overwrite_qk=True)
+                                     *local_kernel(layer), overwrite_qk=owns_qk(layer))
 
 
 def refuse_torchscript(module: nn.Module):

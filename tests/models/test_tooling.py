@@ -29,7 +29,14 @@ BACKBONES = {
 }
 
 
+# PVT with linear attention on reduced keys (q is the q projection's output)
+REDUCED_KEYS = dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
+                    attn_type='LLLL', sr_ratios=[4, 2, 1, 1])
+
+
 def backbone(kind):
+    if kind == 'pvt-reduced-keys':
+        return FLattenPVT(**REDUCED_KEYS, drop_path_rate=0.)
     cls, kw = BACKBONES[kind]
     return cls(**kw, drop_path_rate=0.)
 
@@ -91,7 +98,7 @@ def test_compiled_training_step_equals_eager(kind, backend):
     assert_grads_close(got_grads, want_grads, 1e-4)
 
 
-@pytest.mark.parametrize('kind', sorted(BACKBONES))
+@pytest.mark.parametrize('kind', sorted(BACKBONES) + ['pvt-reduced-keys'])
 def test_compiled_inference_is_one_graph_equal_to_eager(kind):
     """Inference as a test loop runs it (eval, no gradient, where the layers may
     overwrite q and k): torch.compile(fullgraph=True) captures the forward
@@ -133,12 +140,7 @@ def test_forward_hooks_hold_what_modules_returned(kind):
     keeps what the module returned: in inference the blocks summed the
     residual into the attention's and MLP's outputs in place, and layers with
     reduced keys overwrote the q projection's output with the focused map."""
-    if kind == 'pvt-reduced-keys':
-        model = FLattenPVT(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4],
-                           depths=[1, 1, 1, 1], attn_type='LLLL', sr_ratios=[4, 2, 1, 1])
-    else:
-        model = backbone(kind)
-    x = torch.randn(2, 3, 45, 77)
+    model, x = backbone(kind), torch.randn(2, 3, 45, 77)
     assert outputs_changed_after_return(model.eval(), x, grad=False) == []
     assert outputs_changed_after_return(model.train(), x, grad=True) == []
 

@@ -135,6 +135,7 @@ def test_benchmarks_compile_before_timing():
     (compiled at the warm-up steps, which --compile therefore needs), the
     forward (no gradient) with no graph break."""
     from torch._dynamo.utils import counters
+    torch._dynamo.reset()  # nothing compiled earlier in the process is reused
     counters.clear()
     attention = load_tool('benchmark_attention')
     (row,) = attention.main(['--cases', '12x16x32x2', '--repeats', '1', '--mode', 'fwd',

@@ -182,7 +182,8 @@ class FocusedLinearAttentionFn(torch.autograd.Function):
     Args (forward): q (B, N, C), k (B, n, C), v (B, n, C), s_inv (C,),
     focusing_factor, num_heads, key_mask (B, n) bool or None, and
     overwrite_qk: when no gradient is needed, q and k may be overwritten (the
-    focused mapping then runs in their buffers instead of new ones).
+    focused mapping then runs in their buffers instead of new ones; not while
+    compiling, where out= into their strided views would break the graph).
     """
 
     @staticmethod
