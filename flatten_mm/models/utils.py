@@ -105,6 +105,23 @@ class TensorCache(collections.OrderedDict):
         return TensorCache, ()
 
 
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a call of any of ``modules`` would run a hook: its own forward
+    or backward hooks, or global module hooks. Layers that apply a submodule's
+    parameters themselves (one stacked product, a fused op, the chunked MLP)
+    call the submodule instead where it is hooked, so that its hooks run and
+    see its own output. In eager mode; compiled and traced graphs keep the
+    fused forms (as before: hooks on those submodules do not run there)."""
+    from torch.nn.modules import module as torch_module
+    if torch.compiler.is_compiling() or is_fx_symbolic_tracing() or torch.jit.is_tracing():
+        return False
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+               or m._backward_pre_hooks for m in modules)
+
+
 def _module_cache(module: nn.Module, inference_only: bool):
     """``module``'s cache (a :class:`TensorCache`), or None when nothing may be cached:
     while compiling or tracing, under a fake or proxy tensor mode, and, if

@@ -145,6 +145,32 @@ def test_forward_hooks_hold_what_modules_returned(kind):
     assert outputs_changed_after_return(model.train(), x, grad=True) == []
 
 
+@pytest.mark.parametrize('kind', sorted(BACKBONES) + ['pvt-reduced-keys'])
+def test_hooks_run_on_every_submodule_and_change_nothing(kind):
+    """A forward hook on any submodule runs, where the layers apply some
+    submodules' parameters themselves when none is hooked (q and kv as one
+    product, the DWC and LePE in the fused conv, the MLP in chunks on CPU):
+    hooked, they are called. Outputs and gradients equal the unhooked model's
+    (other roundings: 1e-5). Left out: the placeholder Identity of CSwin's stem
+    (the release's rearrangement, done on the tensor's layout)."""
+    model, x = backbone(kind).train(), torch.randn(2, 3, 45, 77)
+    want, want_grads = loss_and_grads(model, x)
+    leaves = {n: m for n, m in model.named_modules()
+              if not list(m.children()) and not isinstance(m, torch.nn.Identity)}
+    ran = set()
+    for name, m in leaves.items():
+        m.register_forward_hook(lambda m, args, out, name=name: ran.add(name))
+    got, got_grads = loss_and_grads(model, x)
+    assert set(leaves) - ran == set()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_grads_close(got_grads, want_grads, 1e-5)
+    ran.clear()
+    with torch.no_grad():
+        model.eval()(x)
+    assert set(leaves) - ran == set()
+
+
 def tensor_caches(model):
     """Each module's tensor cache, by module name (modules without one left out)."""
     return {n: m.__dict__['_tensor_cache'] for n, m in model.named_modules()
