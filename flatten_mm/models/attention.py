@@ -121,8 +121,7 @@ def stacked_linear(x: Tensor, *linears: nn.Linear) -> Tensor:
     writes into it). Their weights (and biases) stacked, then cast once under
     autocast; where one of them is hooked, their own calls, concatenated."""
     if hooked(*linears):
-        return torch.cat([m(x) for m in linears], -1).reshape(-1, sum(m.out_features
-                                                                     for m in linears))
+        return torch.cat([m(x) for m in linears], -1).flatten(0, -2)
     def stacked(name: str) -> Optional[Tensor]:
         ts = [getattr(m, name) for m in linears]
         t = None if ts[0] is None else torch.cat(ts) if len(ts) > 1 else ts[0]

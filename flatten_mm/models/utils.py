@@ -110,11 +110,8 @@ def hooked(*modules: nn.Module) -> bool:
     or backward hooks, or global module hooks. Layers that apply a submodule's
     parameters themselves (one stacked product, a fused op, the chunked MLP)
     call the submodule instead where it is hooked, so that its hooks run and
-    see its own output. In eager mode; compiled and traced graphs keep the
-    fused forms (as before: hooks on those submodules do not run there)."""
+    see its own output (dynamo traces the hooks into a compiled graph)."""
     from torch.nn.modules import module as torch_module
-    if torch.compiler.is_compiling() or is_fx_symbolic_tracing() or torch.jit.is_tracing():
-        return False
     if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
             or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
         return True
