@@ -110,8 +110,12 @@ def hooked(*modules: nn.Module) -> bool:
     or backward hooks, or global module hooks. Layers that apply a submodule's
     parameters themselves (one stacked product, a fused op, the chunked MLP)
     call the submodule instead where it is hooked, so that its hooks run and
-    see its own output (dynamo traces the hooks into a compiled graph)."""
+    see its own output (dynamo traces the hooks into a compiled graph). Not
+    under ``torch.jit.trace``: FLOP counters such as fvcore's hook every module
+    there to name scopes, and count the fused forms, which are what runs."""
     from torch.nn.modules import module as torch_module
+    if torch.jit.is_tracing():
+        return False
     if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
             or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
         return True
