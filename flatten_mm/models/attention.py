@@ -19,7 +19,7 @@ from .ops.conv import torch_conv_add
 from .ops.local import grid_rows, split_qkv
 from .resize import add_resized_to_block_, cached_resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, autocast_input, check_heads, check_number,
-                    check_positive_int, hooked, map_to_tokens, spatial_reduce, tokens_to_map,
+                    check_positive_int, map_to_tokens, must_call, spatial_reduce, tokens_to_map,
                     to_2tuple_checked)
 
 
@@ -73,8 +73,8 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
     term. With more than V's C channels (EfficientViT's scales) the first C
     take it, in place; otherwise it is one op a backend may fuse
     (:func:`~flatten_mm.models.ops.depthwise_conv_add`)."""
-    kernel = local_kernel(layer)
-    if kernel is None:
+    modules = local_modules(layer)
+    if not modules:
         return out
     v = grid_rows(v, grid)  # (prefix tokens, which need sr_ratio=1: grid is hw_shape)
     if tuple(grid) != tuple(hw_shape):
@@ -82,10 +82,11 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
         # there), then in V's dtype again: the fused DWC takes out and V of one dtype
         v = layer.conv_on_grid(v, grid, lambda m: m, hw_shape).to(v.dtype)
     C = v.shape[-1]
-    if hooked(*local_modules(layer)):  # their own calls, so that their hooks run
+    if must_call(*modules):  # their own calls: hooks run, adapters apply
         local = local_term_by_modules(layer, v, hw_shape).to(out.dtype)
         # zeros for prefix tokens and for channels beyond V's
         return out + F.pad(local, (0, out.shape[-1] - C, out.shape[1] - local.shape[1], 0))
+    kernel = local_kernel(layer)
     if out.shape[-1] != C:  # in place into the first C channels
         torch_conv_add(out[..., :C], v, hw_shape, *kernel)
         return out
@@ -102,12 +103,13 @@ def local_term_by_modules(layer: nn.Module, v: Tensor, hw_shape: HWShape) -> Ten
     """DWC(V) (+ LePE) of v (B, H*W, C) by calls of the layer's ``dwc`` (per
     head, on (B * h, d, H, W) maps: its kernel serves every head) and
     ``get_v``, as tokens (B, H*W, C): the local term of :func:`add_local_term`
-    where one of them is hooked."""
+    where one of them must be called (:func:`~flatten_mm.models.utils.must_call`)."""
     B, _, C = v.shape
     v_map, terms = tokens_to_map(v, hw_shape), []
     dwc, lepe = getattr(layer, 'dwc', None), getattr(layer, 'get_v', None)
     if dwc is not None:
-        heads = v_map.reshape(B * C // dwc.in_channels, dwc.in_channels, *hw_shape)
+        d = C // layer.num_heads
+        heads = v_map.reshape(B * layer.num_heads, d, *hw_shape)
         terms.append(map_to_tokens(dwc(heads).reshape(B, C, *hw_shape)))
     if lepe is not None:
         terms.append(map_to_tokens(lepe(v_map)))
@@ -119,8 +121,9 @@ def stacked_linear(x: Tensor, *linears: nn.Linear) -> Tensor:
     side, as a (B * L, W) tensor of its own (of 3-D x, F.linear's would be a
     view of one: :func:`~flatten_mm.models.resize.add_resized_to_block_`
     writes into it). Their weights (and biases) stacked, then cast once under
-    autocast; where one of them is hooked, their own calls, concatenated."""
-    if hooked(*linears):
+    autocast; where one must be called (hooked, or not a plain ``nn.Linear``:
+    :func:`~flatten_mm.models.utils.must_call`), their own calls, concatenated."""
+    if must_call(*linears):
         return torch.cat([m(x) for m in linears], -1).flatten(0, -2)
     def stacked(name: str) -> Optional[Tensor]:
         ts = [getattr(m, name) for m in linears]
@@ -143,9 +146,10 @@ def fuses_local_term(layer: nn.Module) -> bool:
     call (:func:`attend_with_local_term`): the focused design with a DWC or
     LePE, keys on the query grid, its own ``attend`` and ``project_qkv`` (not
     replaced in a subclass or on the instance, which the one call would
-    bypass), no hook on its DWC or LePE, and ``fuse_local_term`` (a class attribute)."""
+    bypass), a DWC and LePE it need not call (:func:`~flatten_mm.models.utils.must_call`),
+    and ``fuse_local_term`` (a class attribute)."""
     return (layer.fuse_local_term and layer.attn_design == 'focused' and layer.sr_ratio == 1
-            and local_kernel(layer) is not None and not hooked(*local_modules(layer))
+            and bool(local_modules(layer)) and not must_call(*local_modules(layer))
             and all(_own_method(layer, name) for name in ('attend', 'project_qkv')))
 
 

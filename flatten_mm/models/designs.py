@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import EPS, focused_linear_attention, in_fp32
-from .utils import HWShape
+from .utils import HWShape, hooked, must_call
 
 #: EfficientViT's normaliser epsilon (its LiteMLA's default)
 EFFICIENTVIT_EPS = 1e-15
@@ -276,6 +276,10 @@ class EfficientViTDesign(Design):
         rows = slice(part * C, (part + 1) * C)
 
         def conv(m: Tensor) -> Tensor:
+            if must_call(dw, pw) or hooked(layer.aggreg):  # the modules on all 3C channels,
+                full = m.new_zeros(m.shape[0], 3 * C, *m.shape[2:])  # zeros but this part's:
+                full[:, rows] = m  # both convs keep parts apart (groups within a part)
+                return layer.aggreg(full)[:, rows]
             m = F.conv2d(m, dw.weight[rows], None, padding=dw.padding, groups=C)
             return F.conv2d(m, pw.weight[rows], None, groups=layer.num_heads)
         P = getattr(layer, 'num_prefix_tokens', 0)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from .utils import (HWShape, add_projections, check_heads, check_positive_int, hooked,
+from .utils import (HWShape, add_projections, check_heads, check_positive_int, must_call,
                     pad_to_multiple, param_cached, size_cached, spatial_reduce,
                     specialize_image_size, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
@@ -177,10 +177,11 @@ class Mlp(nn.Module):
         """Whether :class:`TokenMlpFn` runs this MLP: on CPU, in the input's
         own dtype, with nothing between fc1 and fc2 but the GELU (no depth-wise
         conv, no dropout at work), outside tracing and compiling (which see
-        the plain ops), unless a hook waits on fc1, the GELU, dropout or fc2."""
+        the plain ops), unless fc1, the GELU, dropout or fc2 must be called
+        (hooked, or not the plain module: :func:`~flatten_mm.models.utils.must_call`)."""
         if torch.compiler.is_compiling() or is_fx_symbolic_tracing() or torch.jit.is_tracing():
             return False
-        if hooked(self.fc1, self.act, self.drop, self.fc2):
+        if must_call(self.fc1, self.act, self.drop, self.fc2):
             return False
         return (x.device.type == 'cpu' and not hasattr(self, 'dwconv')
                 and (self.drop.p == 0 or not self.training)

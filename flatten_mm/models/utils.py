@@ -105,14 +105,31 @@ class TensorCache(collections.OrderedDict):
         return TensorCache, ()
 
 
+# the module classes whose calls a layer may replace by its own use of their
+# parameters (one stacked product, a fused op, the chunked MLP): exactly these
+# classes, not subclasses (LoRA layers, fake-quantised or parametrised ones)
+PLAIN_MODULES = (nn.Linear, nn.Conv2d, nn.GELU, nn.Dropout)
+
+
+def must_call(*modules: nn.Module) -> bool:
+    """Whether a layer must call ``modules`` rather than apply their parameters
+    itself (one stacked product, a fused op, the chunked MLP): one of them is
+    not a plain :data:`PLAIN_MODULES` instance (an adapter such as a LoRA
+    wrapper, a quantised, parametrised or otherwise derived class, a forward
+    replaced on the instance), whose parameters alone do not say what it
+    computes, or a call would run a hook (:func:`hooked`)."""
+    return any(type(m) not in PLAIN_MODULES or 'forward' in m.__dict__
+               for m in modules) or hooked(*modules)
+
+
 def hooked(*modules: nn.Module) -> bool:
     """Whether a call of any of ``modules`` would run a hook: its own forward
     or backward hooks, or global module hooks. Layers that apply a submodule's
-    parameters themselves (one stacked product, a fused op, the chunked MLP)
-    call the submodule instead where it is hooked, so that its hooks run and
-    see its own output (dynamo traces the hooks into a compiled graph). Not
-    under ``torch.jit.trace``: FLOP counters such as fvcore's hook every module
-    there to name scopes, and count the fused forms, which are what runs."""
+    parameters themselves call the submodule instead where it is hooked, so
+    that its hooks run and see its own output (dynamo traces the hooks into a
+    compiled graph). Not under ``torch.jit.trace``: FLOP counters such as
+    fvcore's hook every module there to name scopes, and count the fused
+    forms, which are what runs."""
     from torch.nn.modules import module as torch_module
     if torch.jit.is_tracing():
         return False

@@ -240,6 +240,38 @@ def test_layer_matches_reference_forward(name, case):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=pname)
 
 
+def doubled(module):
+    """``module`` turned into a subclass of its class that doubles its output
+    (as an adapter subclass would change it, its weights unchanged)."""
+    cls = type(module)
+    module.__class__ = type(f'Doubled{cls.__name__}', (cls,),
+                            {'forward': lambda self, x: 2 * cls.forward(self, x)})
+
+
+@pytest.mark.parametrize('case', [dict(lepe=True, masked=True), dict(lepe=False, masked=False)],
+                         ids=str)
+@pytest.mark.parametrize('name', [n for n in NAMES if n != 'focused'])
+def test_derived_submodules_are_called(name, case):
+    """Every Linear and Conv2d of the layer a subclass with its own forward
+    (LoRA layers, quantised ones): the layer calls them, where it would
+    otherwise apply their weights itself (the q, kv product, the DWC and LePE,
+    EfficientViT's aggregation of each part), and equals the reference that
+    calls every module. (The focused design, in every backbone:
+    tests/models/test_tooling.py.)"""
+    hw = (5, 7)
+    m = layer(name, grid=hw, lepe=case['lepe'])
+    for sub in list(m.modules()):
+        if type(sub) in (torch.nn.Linear, torch.nn.Conv2d):
+            doubled(sub)
+    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
+    mask = torch.ones(2, hw[0] * hw[1], dtype=torch.bool)
+    mask[1, -9:] = False
+    mask = mask if case['masked'] else None
+    rows = slice(None) if mask is None else mask
+    torch.testing.assert_close(m(x, hw, mask)[rows], reference_layer_forward(m, x, hw, mask)[rows],
+                               rtol=1e-9, atol=1e-11)
+
+
 def test_focused_keeps_its_state_dict_keys_and_outputs():
     from flatten_mm.analysis import reference_forward
     m = FocusedLinearAttention(8, 2, pos_grid=(5, 7)).double()

@@ -1,8 +1,11 @@
 """PyTorch's tooling on our models: torch.fx through timm's feature
 extractor, torch.compile (full graph, training), torch.export and ONNX."""
+import copy
+
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 from timm.layers import create_feature_extractor, get_notrace_functions, get_notrace_modules
 
 import flatten_mm  # noqa: F401  (registers the models and their fx leaves in timm)
@@ -189,6 +192,99 @@ def test_hooks_run_in_compiled_graphs():
     assert set(leaves) - ran == set()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+class LoraLinear(torch.nn.Linear):
+    """A LoRA layer as adapter libraries write one: an ``nn.Linear`` subclass
+    that keeps the weight and bias and adds a low-rank product."""
+
+    def forward(self, x):
+        return super().forward(x) + F.linear(F.linear(x, self.down), self.up)
+
+
+class ShiftedConv(torch.nn.Conv2d):
+    """A conv subclass whose output takes an extra per-channel shift."""
+
+    def forward(self, x):
+        return super().forward(x) + self.shift
+
+
+def adapt_every_linear_and_conv(model):
+    """Every nn.Linear a :class:`LoraLinear` with a random low-rank product,
+    every nn.Conv2d a :class:`ShiftedConv` with a random shift."""
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = LoraLinear
+            m.down = torch.nn.Parameter(0.3 * torch.randn(2, m.in_features))
+            m.up = torch.nn.Parameter(0.3 * torch.randn(m.out_features, 2))
+        elif type(m) is torch.nn.Conv2d and m.bias is not None:
+            m.__class__ = ShiftedConv
+            m.shift = torch.nn.Parameter(0.3 * torch.randn(m.out_channels, 1, 1))
+    return model
+
+
+def merged(model):
+    """A copy of an adapted model with the adapters folded into plain modules."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m) is LoraLinear:
+                m.weight += m.up @ m.down
+                del m.up, m.down
+                m.__class__ = torch.nn.Linear
+            elif type(m) is ShiftedConv:
+                m.bias += m.shift.flatten()
+                del m.shift
+                m.__class__ = torch.nn.Conv2d
+    return model
+
+
+@pytest.mark.parametrize('kind', sorted(BACKBONES) + ['pvt-reduced-keys'])
+def test_adapted_submodules_compute_what_they_return(kind):
+    """Adapters (LoRA layers, quantised or otherwise derived classes) replace
+    the q, kv, MLP and DWC/LePE modules, whose parameters the layers otherwise
+    apply themselves (one q, kv product, the fused DWC and LePE, the chunked
+    MLP): a subclass's forward was skipped (its weight and bias applied as if
+    plain, the low-rank term lost), a wrapper without ``weight`` raised. Every
+    Linear and Conv2d adapted, the model equals one with the adapters folded
+    into its weights: outputs in inference, outputs and the shared
+    parameters' gradients in training (1e-4: other roundings)."""
+    torch.manual_seed(0)
+    model = adapt_every_linear_and_conv(backbone(kind)).eval()
+    plain, x = merged(model), torch.randn(2, 3, 45, 77)
+    with torch.no_grad():
+        for a, b in zip(model(x), plain(x)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    got, got_grads = loss_and_grads(model.train(), x)
+    want, want_grads = loss_and_grads(plain.train(), x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert_grads_close({n: got_grads[n] for n in want_grads}, want_grads, 1e-4)
+
+
+def test_mmpretrain_lora_model_adapts_a_backbone():
+    """mmpretrain's LoRAModel on FLatten-PVT's q, kv and MLP layers (its
+    LoRALinear wraps the layer: no ``weight`` of its own) equals the backbone
+    with the low-rank products folded into those weights."""
+    from mmpretrain.models.peft import LoRAModel
+    kw = dict(BACKBONES['pvt'][1], drop_path_rate=0.)
+    torch.manual_seed(0)
+    lora = LoRAModel(module=dict(type='FLattenPVT', **kw), alpha=4, rank=2, targets=[
+        dict(type=name) for name in ('.q', '.kv', 'fc1', 'fc2')])
+    plain = copy.deepcopy(lora.module)
+    wrapped = [(n, m) for n, m in lora.module.named_modules() if type(m).__name__ == 'LoRALinear']
+    assert len(wrapped) == 16  # four layers in each of four blocks
+    with torch.no_grad():
+        for name, m in wrapped:
+            torch.nn.init.normal_(m.lora_up.weight, std=0.3)
+            base = m.original_layer
+            folded = torch.nn.Linear(base.in_features, base.out_features)
+            folded.weight.copy_(base.weight + m.scaling * m.lora_up.weight @ m.lora_down.weight)
+            folded.bias.copy_(base.bias)
+            plain.set_submodule(name, folded)
+        x = torch.randn(2, 3, 45, 77)
+        for a, b in zip(lora.eval()(x), plain.eval()(x)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def tensor_caches(model):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from ..utils import autocast_input, hooked, is_exporting, map_to_tokens, tokens_to_map
+from ..utils import autocast_input, is_exporting, map_to_tokens, must_call, tokens_to_map
 from .dispatch import backend_of, register_backend, register_op_pair
 
 
@@ -156,7 +156,7 @@ def depthwise_conv_module(conv: nn.Conv2d, x: Tensor, hw_shape: Tuple[int, int])
 def is_plain_depthwise(conv: nn.Module) -> bool:
     """Whether ``conv`` is an ``nn.Conv2d`` without hooks computing what the op
     computes: depth-wise, a square odd kernel, stride 1, zero padding K // 2."""
-    if type(conv) is not nn.Conv2d or hooked(conv):
+    if type(conv) is not nn.Conv2d or must_call(conv):
         return False
     k = conv.kernel_size[0]
     return (conv.groups == conv.in_channels == conv.out_channels and conv.kernel_size == (k, k)
