@@ -34,8 +34,10 @@ def config_with_backbone(tmp_path, **backbone):
 def test_unknown_backbone_option(shapes, tmp_path):
     cfg = config_with_backbone(tmp_path, window_sz=7)
     last = train_error(cfg, '--work-dir', str(tmp_path / 'w'), *seg_options(shapes, 1))
-    assert last == "TypeError: FLattenPVT got unexpected argument(s) 'window_sz'; " \
-        'see its docstring for the arguments it takes'
+    assert last == "TypeError: FLattenPVT got unexpected argument(s) 'window_sz'; it takes " \
+        'arch, in_channels, embed_dims, depths, num_heads, mlp_ratios, attn_type, sr_ratios, ' \
+        'focusing_factor, kernel_size, attn_design, pretrain_img_size, qkv_bias, drop_rate, ' \
+        'attn_drop_rate, drop_path_rate, out_indices, frozen_stages, norm_eval, with_cp, init_cfg'
 
 
 def test_wrong_arch(shapes, tmp_path):

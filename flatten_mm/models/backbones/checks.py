@@ -1,5 +1,6 @@
 """Build-time checks of the arguments every backbone family takes: an error
 names the argument and what is allowed, before anything fails deep inside."""
+import inspect
 import numbers
 import warnings
 from typing import List, Tuple
@@ -38,6 +39,47 @@ def check_stages(attn_type: str, embed_dims, depths, num_heads, mlp_ratios=None,
                                  f'* ratio) is 0 for embed_dims {dims}, got {mlp_ratios!r}')
         out['mlp_ratios'] = ratios
     return out
+
+
+# arguments of the softmax backbones a config may inherit (mmdet's, mmseg's and
+# mmpretrain's SwinTransformer, PyramidVisionTransformer(V2), PCPVT and
+# VisionTransformer) that the FLatten backbones do not take: their architecture
+# is fixed (patch sizes, strides, norms, activations) or the name is another here
+UPSTREAM_ONLY = frozenset((
+    'act_cfg', 'convert_weights', 'frozen_exclude', 'img_size', 'interpolate_mode',
+    'layer_cfgs', 'layer_scale_init_value', 'norm_after_stage', 'norm_cfg', 'num_fcs',
+    'num_layers', 'num_stages', 'out_after_downsample', 'out_origin', 'output_cls_token',
+    'pad_small_map', 'paddings', 'patch_bias', 'patch_cfg', 'patch_norm', 'patch_pad',
+    'patch_size', 'patch_sizes', 'pre_norm', 'pretrained', 'qk_scale', 'stage_cfgs',
+    'strides', 'use_abs_pos_embed', 'use_conv_ffn'))
+# an upstream name -> ours, where a FLatten backbone takes the same thing
+RENAMED = {'num_layers': ('depths', 'depth'), 'img_size': ('pretrain_img_size',),
+           'mlp_ratio': ('mlp_ratios',), 'mlp_ratios': ('mlp_ratio',)}
+
+
+def check_no_unknown_args(cls: type, unknown: dict) -> None:
+    """A TypeError naming the arguments in ``unknown`` that ``cls.__init__``
+    does not take, the ones it does, renamings (mmdet's PVT ``num_layers`` is
+    ``depths`` here), and, for arguments of the softmax backbone a config
+    inherits, how to replace that backbone (``_delete_=True``)."""
+    if not unknown:
+        return
+    takes = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+             if n != 'self' and p.kind is not p.VAR_KEYWORD]
+    names = sorted(unknown)
+    msg = (f'{cls.__name__} got unexpected argument(s) {", ".join(map(repr, names))}; '
+           f'it takes {", ".join(takes)}')
+    for name in names:
+        ours = [n for n in RENAMED.get(name, ()) if n in takes]
+        if ours:
+            msg += f'. {name!r} is {ours[0]!r} here'
+    upstream = [n for n in names if n in UPSTREAM_ONLY]
+    if upstream:
+        what = 'is an argument' if len(upstream) == 1 else 'are arguments'
+        msg += (f'. {", ".join(map(repr, upstream))} {what} of a softmax backbone '
+                "(mmdet's, mmseg's or mmpretrain's Swin, PVT or ViT): a config that inherits "
+                f"one replaces it with backbone=dict(_delete_=True, type='{cls.__name__}', ...)")
+    raise TypeError(msg)
 
 
 def check_backbone_args(attn_type: str, in_channels: int, pretrain_img_size,

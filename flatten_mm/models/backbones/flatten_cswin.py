@@ -30,6 +30,7 @@ from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_p
                       window_key_mask, window_merge, window_partition)
 from ..ops.conv import depthwise_conv_module
 from .base import Stage, StageOutput, SwinLikeBackbone
+from .checks import check_no_unknown_args
 
 
 class LePEAttention(nn.Module):
@@ -260,7 +261,9 @@ class FLattenCSwin(SwinLikeBackbone):
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
-                 init_cfg: Optional[dict] = None):
+                 init_cfg: Optional[dict] = None,
+                 **unknown):
+        check_no_unknown_args(type(self), unknown)
         super().__init__(init_cfg=init_cfg)
         dims, depths, num_heads, img = self._stage_settings(
             arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,

@@ -28,7 +28,7 @@ from ..resize import add_resized, cached_resize_parts
 from ..utils import (HWShape, check_heads, check_number, check_positive_int, map_to_tokens,
                      pad_to_multiple)
 from .base import FLattenBackbone, Stage, StageOutput
-from .checks import check_backbone_args
+from .checks import check_backbone_args, check_no_unknown_args
 
 OUT_TYPES = ('featmap', 'cls_token')
 
@@ -206,7 +206,9 @@ class FLattenDeiT(FLattenBackbone):
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
-                 init_cfg: Optional[dict] = None):
+                 init_cfg: Optional[dict] = None,
+                 **unknown):
+        check_no_unknown_args(type(self), unknown)
         super().__init__(init_cfg=init_cfg)
         self._settings(arch, embed_dims, num_heads, depth, mlp_ratio, attn_type)
         img = check_backbone_args(self.attn_type, in_channels, pretrain_img_size,

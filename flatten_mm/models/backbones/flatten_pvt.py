@@ -17,7 +17,7 @@ from ..utils import HWShape, stage_grid, tokens_to_map
 from ..layers import (DropPath, Mlp, PatchEmbed, SpatialReductionAttention, check_attn_type,
                       drop_path_rates)
 from .base import FLattenBackbone, Stage, StageOutput
-from .checks import check_backbone_args, check_stages
+from .checks import check_backbone_args, check_no_unknown_args, check_stages
 
 SOFTMAX_SR_RATIOS = (8, 4, 2, 1)
 
@@ -116,10 +116,7 @@ class FLattenPyramid(FLattenBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None,
                  **unknown):
-        if unknown:  # name the class the user asked for, not this base class
-            raise TypeError(f'{type(self).__name__} got unexpected argument(s) '
-                            f'{", ".join(map(repr, sorted(unknown)))}; see its docstring '
-                            'for the arguments it takes')
+        check_no_unknown_args(type(self), unknown)  # names the class asked for
         super().__init__(init_cfg=init_cfg)
         settings = self._stage_settings(arch, embed_dims, depths, num_heads, mlp_ratios,
                                         attn_type, sr_ratios)

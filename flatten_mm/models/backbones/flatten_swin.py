@@ -24,6 +24,7 @@ from ..utils import HWShape, size_cached, stage_grid, to_2tuple_checked
 from ..layers import (DropPath, Mlp, PatchEmbed, WindowSoftmaxAttention, drop_path_rates,
                       window_key_mask, window_merge, window_partition)
 from .base import Stage, StageOutput, SwinLikeBackbone
+from .checks import check_no_unknown_args
 
 
 class SwinBlock(nn.Module):
@@ -198,7 +199,9 @@ class FLattenSwin(SwinLikeBackbone):
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
-                 init_cfg: Optional[dict] = None):
+                 init_cfg: Optional[dict] = None,
+                 **unknown):
+        check_no_unknown_args(type(self), unknown)
         super().__init__(init_cfg=init_cfg)
         dims, depths, num_heads, img = self._stage_settings(
             arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,

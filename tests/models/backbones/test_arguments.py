@@ -2,6 +2,7 @@
 names it and says what is allowed; empty inputs are rejected at the entry
 (issue 23: these failed deep inside, at the first training step, or were
 silently ignored)."""
+import os
 import re
 import warnings
 
@@ -99,3 +100,42 @@ def test_valid_edge_arguments(family):
     assert m.out_indices == (1, 3)
     outs = m(torch.randn(1, 3, 33, 17))
     assert [o.shape[-2:] for o in outs] == [(5, 3), (2, 1)]
+
+
+@pytest.mark.parametrize('family', FAMILIES + ('deit',))
+def test_unknown_argument_named_with_what_the_backbone_takes(family):
+    with pytest.raises(TypeError) as info:
+        small_backbone(family, window_sz=7)
+    msg = str(info.value)
+    name = {'pvt': 'FLattenPVT', 'pvtv2': 'FLattenPVTv2', 'swin': 'FLattenSwin',
+            'cswin': 'FLattenCSwin', 'deit': 'FLattenDeiT'}[family]
+    assert msg.startswith(f"{name} got unexpected argument(s) 'window_sz'; it takes arch, "
+                          'in_channels, embed_dims, ')
+    assert msg.endswith(', with_cp, init_cfg')  # nothing about softmax backbones
+
+
+@pytest.mark.parametrize('config,ours', [
+    ('swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py', 'FLattenSwin'),
+    ('pvt/retinanet_pvt-t_fpn_1x_coco.py', 'FLattenPVT'),
+    ('pvt/retinanet_pvtv2-b0_fpn_1x_coco.py', 'FLattenPVTv2')])
+def test_softmax_backbone_arguments_say_how_to_replace_it(config, ours):
+    """A config that inherits mmdet's Swin or PVT and changes only the
+    backbone's type hands on that backbone's arguments: the error names those
+    a FLatten backbone does not take, renamings, and ``_delete_=True``."""
+    import mmdet
+    from mmengine.config import Config
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+    register_all_modules()
+    cfg = Config.fromfile(os.path.join(os.path.dirname(mmdet.__file__), '.mim/configs', config))
+    backbone = dict(cfg.model.backbone, type=ours)
+    with pytest.raises(TypeError) as info:
+        MODELS.build(backbone)
+    msg = str(info.value)
+    upstream = {'FLattenSwin': "'convert_weights', 'patch_norm', 'qk_scale' are arguments",
+                'FLattenPVT': "'num_layers' is 'depths' here. 'num_layers' is an argument",
+                'FLattenPVTv2': "'num_layers' is 'depths' here. 'num_layers' is an argument"}
+    assert f'{ours} got unexpected argument(s) ' in msg and upstream[ours] in msg
+    assert msg.endswith(f"of a softmax backbone (mmdet's, mmseg's or mmpretrain's Swin, PVT "
+                        f"or ViT): a config that inherits one replaces it with "
+                        f"backbone=dict(_delete_=True, type='{ours}', ...)")
