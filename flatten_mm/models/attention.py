@@ -291,7 +291,7 @@ class FocusedLinearAttention(nn.Module):
         if self.sr_ratio == 1:  # (stacked_qkv)
             return (*split_qkv(stacked_qkv(self, x, hw_shape)), tuple(hw_shape))
         q = self.q(x)
-        x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm)
+        x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm, self.sr_ratio)
         k, v = self.add_positional_encoding_(stacked_linear(x, self.kv), grid, 0, B).view(
             B, -1, 2 * C).split(C, -1)
         return q, k, v, grid

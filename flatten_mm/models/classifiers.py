@@ -48,6 +48,8 @@ class ClassifierMixin:
     output_fmt: str = 'NCHW'
     # the dense backbone's name for the final norm (None: the body has it, or none)
     dense_final_norm: Optional[str] = None
+    # backbone arguments the classifier sets (in_channels from timm's in_chans)
+    fixed_init_args: Tuple[str, ...] = ('in_channels',)
 
     def _build_head(self, num_classes: int, global_pool: str = 'avg'):
         self.check_global_pool(global_pool)
@@ -248,6 +250,7 @@ class FLattenDeiTClassifier(ClassifierMixin, FLattenDeiT):
     """
     output_fmt = 'NLC'
     dense_final_norm = 'norm'
+    fixed_init_args = ('in_channels', 'final_norm')
 
     def __init__(self, arch: str = 'tiny', num_classes: int = 1000, global_pool: str = 'token',
                  in_chans: int = 3, **kwargs):

@@ -269,19 +269,21 @@ class EfficientViTDesign(Design):
         proj = layer.proj
         layer.proj = nn.Linear(2 * layer.embed_dims, layer.embed_dims, bias=proj.bias is not None)
 
-    def aggregate(self, layer: nn.Module, x: Tensor, part: int, grid: HWShape) -> Tensor:
-        """q (part 0), k (1) or v (2) after the aggregation convs, on ``grid``."""
-        C = layer.embed_dims
-        dw, pw = layer.aggreg[0], layer.aggreg[1]
-        rows = slice(part * C, (part + 1) * C)
+    def aggregate(self, layer: nn.Module, x: Tensor, grid: HWShape, parts: slice) -> Tensor:
+        """The ``parts`` (channels: q 0..C, k C..2C, v 2C..3C of the aggregation)
+        of x (B, P + n, channels) after the aggregation convs, on ``grid``. Both
+        convs keep the parts apart (depth-wise; 1x1 in groups within a part), so
+        each runs on its own rows of the weights; where ``aggreg`` must be
+        called (an adapter, a hook: :func:`~flatten_mm.models.utils.must_call`)
+        it runs once on the 3C map, zeros in the parts x does not hold."""
+        C, (dw, pw) = layer.embed_dims, layer.aggreg
 
         def conv(m: Tensor) -> Tensor:
-            if must_call(dw, pw) or hooked(layer.aggreg):  # the modules on all 3C channels,
-                full = m.new_zeros(m.shape[0], 3 * C, *m.shape[2:])  # zeros but this part's:
-                full[:, rows] = m  # both convs keep parts apart (groups within a part)
-                return layer.aggreg(full)[:, rows]
-            m = F.conv2d(m, dw.weight[rows], None, padding=dw.padding, groups=C)
-            return F.conv2d(m, pw.weight[rows], None, groups=layer.num_heads)
+            if must_call(dw, pw) or hooked(layer.aggreg):
+                full = F.pad(m, (0, 0, 0, 0, parts.start, 3 * C - parts.stop))
+                return layer.aggreg(full)[:, parts]
+            m = F.conv2d(m, dw.weight[parts], None, padding=dw.padding, groups=m.shape[1])
+            return F.conv2d(m, pw.weight[parts], None, groups=m.shape[1] // layer.head_dims)
         P = getattr(layer, 'num_prefix_tokens', 0)
         if not P:
             return layer.conv_on_grid(x, grid, conv)
@@ -297,11 +299,16 @@ class EfficientViTDesign(Design):
         if key_mask is not None:  # padding as zeros, as at the map border
             m = key_mask.to(q.dtype).unsqueeze(-1)
             q, k, v = q * m, k * m, v * m
-        scales = [(q, k, v), (self.aggregate(layer, q, 0, hw_shape),
-                              self.aggregate(layer, k, 1, grid),
-                              self.aggregate(layer, v, 2, grid))]
+        C = layer.embed_dims
+        if tuple(grid) == tuple(hw_shape):  # one map of q, k, v, as EfficientViT's
+            agg = self.aggregate(layer, torch.cat([q, k, v], -1), grid, slice(0, 3 * C))
+            q2, k2, v2 = agg.split(C, -1)
+        else:  # q on the query grid, k and v on the reduced one
+            q2 = self.aggregate(layer, q, hw_shape, slice(0, C))
+            k2, v2 = self.aggregate(layer, torch.cat([k, v], -1), grid,
+                                    slice(C, 3 * C)).split(C, -1)
         return torch.cat([efficientvit_attention(*s, layer.num_heads, key_mask)
-                          for s in scales], dim=-1)
+                          for s in ((q, k, v), (q2, k2, v2))], dim=-1)
 
     def flops(self, N, n, C, num_heads):
         return 2 * super().flops(N, n, C, num_heads)  # the convs count as convs

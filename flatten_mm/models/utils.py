@@ -268,16 +268,17 @@ def map_to_tokens(x: Tensor) -> Tensor:
     return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1, x.shape[1])
 
 
-def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNorm
-                   ) -> Tuple[Tensor, HWShape]:
-    """PVT's key/value reduction: strided conv + LayerNorm on a (B, N, C) map.
+def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNorm,
+                   sr_ratio: int) -> Tuple[Tensor, HWShape]:
+    """PVT's key/value reduction: strided conv (stride ``sr_ratio``, the layer's:
+    ``sr`` may be an adapter without a ``stride``) + LayerNorm on a (B, N, C) map.
 
     A map whose sides are not multiples of the stride is first extended by
     replicating its last row/column, so every pixel is summarised (the
     release, at its fixed training size, never needed this) and maps smaller
     than the stride still give one key.
     """
-    x = pad_to_multiple(tokens_to_map(x, hw_shape), sr.stride[0], mode='replicate')
+    x = pad_to_multiple(tokens_to_map(x, hw_shape), sr_ratio, mode='replicate')
     x = sr(x)
     grid = (x.shape[2], x.shape[3])
     return norm(map_to_tokens(x)), grid

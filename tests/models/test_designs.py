@@ -199,14 +199,13 @@ def reference_efficientvit(m, q, k, v, hw, grid, mask):
     if tuple(grid) == tuple(hw):
         qkv = torch.cat([q, k, v], -1).transpose(1, 2).reshape(B, 3 * C, *hw)
         q2, k2, v2 = m.aggreg(qkv).flatten(2).transpose(1, 2).chunk(3, dim=-1)
-    else:
-        dw, pw = m.aggreg
+    else:  # the conv on q's map (zeros for k, v) and on k's and v's (zeros for q)
+        zeros = q.new_zeros(*q.shape[:2], 2 * C)
 
-        def agg(t, i, g):
-            t = t.transpose(1, 2).reshape(B, C, *g)
-            t = F.conv2d(t, dw.weight[i * C:(i + 1) * C], padding=2, groups=C)
-            return F.conv2d(t, pw.weight[i * C:(i + 1) * C], groups=h).flatten(2).transpose(1, 2)
-        q2, k2, v2 = agg(q, 0, hw), agg(k, 1, grid), agg(v, 2, grid)
+        def agg(t, g):
+            return m.aggreg(t.transpose(1, 2).reshape(B, 3 * C, *g)).flatten(2).transpose(1, 2)
+        q2 = agg(torch.cat([q, zeros], -1), hw)[..., :C]
+        k2, v2 = agg(torch.cat([torch.zeros_like(k), k, v], -1), grid)[..., C:].chunk(2, -1)
     return torch.cat([naive_relu(q, k, v, h, mask, 1e-15),
                       naive_relu(q2, k2, v2, h, mask, 1e-15)], -1)
 
@@ -240,36 +239,55 @@ def test_layer_matches_reference_forward(name, case):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=pname)
 
 
-def doubled(module):
-    """``module`` turned into a subclass of its class that doubles its output
-    (as an adapter subclass would change it, its weights unchanged)."""
+def adapt(module, how):
+    """``module`` (a Linear or Conv2d) with an adapter's extra term, a fixed
+    product (1x1, at the conv's stride) that mixes all its input channels: a
+    subclass with its own forward (``how='subclass'``, as LoRA layers,
+    quantised ones), or its forward replaced on the instance (``'instance'``)."""
+    conv = isinstance(module, torch.nn.Conv2d)
+    n_in = module.in_channels if conv else module.in_features
+    n_out = module.out_channels if conv else module.out_features
+    mix = 0.3 * torch.randn(n_out, n_in, *((1, 1) if conv else ()), dtype=torch.float64)
+
+    def extra(x):
+        return F.conv2d(x, mix, stride=module.stride) if conv else F.linear(x, mix)
+    if how == 'instance':
+        plain = module.forward
+        module.forward = lambda x: plain(x) + extra(x)
+        return
     cls = type(module)
-    module.__class__ = type(f'Doubled{cls.__name__}', (cls,),
-                            {'forward': lambda self, x: 2 * cls.forward(self, x)})
+    module.__class__ = type(f'Adapted{cls.__name__}', (cls,),
+                            {'forward': lambda self, x: cls.forward(self, x) + extra(x)})
 
 
-@pytest.mark.parametrize('case', [dict(lepe=True, masked=True), dict(lepe=False, masked=False)],
+@pytest.mark.parametrize('how', ['subclass', 'instance'])
+@pytest.mark.parametrize('case', [dict(sr=1, lepe=True, masked=True), dict(sr=2, lepe=False)],
                          ids=str)
 @pytest.mark.parametrize('name', [n for n in NAMES if n != 'focused'])
-def test_derived_submodules_are_called(name, case):
-    """Every Linear and Conv2d of the layer a subclass with its own forward
-    (LoRA layers, quantised ones): the layer calls them, where it would
-    otherwise apply their weights itself (the q, kv product, the DWC and LePE,
-    EfficientViT's aggregation of each part), and equals the reference that
-    calls every module. (The focused design, in every backbone:
-    tests/models/test_tooling.py.)"""
+def test_adapted_submodules_are_called(name, case, how):
+    """Every Linear and Conv2d of the layer adapted (an extra term that mixes
+    channels, parts of EfficientViT's aggregation included): the layer calls
+    them, where it would otherwise apply their weights itself (the q, kv
+    product, the DWC and LePE, the aggregation), and equals the reference that
+    calls every module, with its gradients. (The focused design, in every
+    backbone: tests/models/test_tooling.py.)"""
     hw = (5, 7)
-    m = layer(name, grid=hw, lepe=case['lepe'])
+    m = layer(name, grid=hw, sr=case['sr'], lepe=case['lepe'])
     for sub in list(m.modules()):
         if type(sub) in (torch.nn.Linear, torch.nn.Conv2d):
-            doubled(sub)
-    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
-    mask = torch.ones(2, hw[0] * hw[1], dtype=torch.bool)
-    mask[1, -9:] = False
-    mask = mask if case['masked'] else None
+            adapt(sub, how)
+    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if case.get('masked'):
+        mask = torch.ones(2, hw[0] * hw[1], dtype=torch.bool)
+        mask[1, -9:] = False
     rows = slice(None) if mask is None else mask
-    torch.testing.assert_close(m(x, hw, mask)[rows], reference_layer_forward(m, x, hw, mask)[rows],
-                               rtol=1e-9, atol=1e-11)
+    out, ref = m(x, hw, mask)[rows], reference_layer_forward(m, x, hw, mask)[rows]
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    g, params = torch.randn_like(out), [x] + list(m.parameters())
+    for a, b in zip(torch.autograd.grad(out, params, g),
+                    torch.autograd.grad(ref, params, g, allow_unused=True)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
 def test_focused_keeps_its_state_dict_keys_and_outputs():

@@ -57,15 +57,28 @@ RENAMED = {'num_layers': ('depths', 'depth'), 'img_size': ('pretrain_img_size',)
            'mlp_ratio': ('mlp_ratios',), 'mlp_ratios': ('mlp_ratio',)}
 
 
-def check_no_unknown_args(cls: type, unknown: dict) -> None:
-    """A TypeError naming the arguments in ``unknown`` that ``cls.__init__``
-    does not take, the ones it does, renamings (mmdet's PVT ``num_layers`` is
-    ``depths`` here), and, for arguments of the softmax backbone a config
-    inherits, how to replace that backbone (``_delete_=True``)."""
+def init_arguments(cls: type, owner: type) -> List[str]:
+    """The named arguments ``cls`` takes: those of each ``__init__`` along its
+    MRO down to ``owner``'s (subclasses hand the others on in ``**kwargs``),
+    less those a subclass sets itself (``cls.fixed_init_args``: a timm
+    classifier's ``in_channels``, which it takes as ``in_chans``)."""
+    names: List[str] = []
+    for c in cls.__mro__[:cls.__mro__.index(owner) + 1]:
+        if '__init__' in vars(c):
+            names += [n for n, p in inspect.signature(c.__init__).parameters.items()
+                      if n != 'self' and p.kind is p.POSITIONAL_OR_KEYWORD and n not in names]
+    return [n for n in names if n not in getattr(cls, 'fixed_init_args', ())]
+
+
+def check_no_unknown_args(cls: type, unknown: dict, owner: type) -> None:
+    """A TypeError naming the arguments in ``unknown`` that ``cls`` does not
+    take (``owner``'s ``__init__`` got them in ``**unknown``), the ones it
+    does, renamings (mmdet's PVT ``num_layers`` is ``depths`` here), and, for
+    arguments of the softmax backbone a config inherits, how to replace that
+    backbone (``_delete_=True``)."""
     if not unknown:
         return
-    takes = [n for n, p in inspect.signature(cls.__init__).parameters.items()
-             if n != 'self' and p.kind is not p.VAR_KEYWORD]
+    takes = init_arguments(cls, owner)
     names = sorted(unknown)
     msg = (f'{cls.__name__} got unexpected argument(s) {", ".join(map(repr, names))}; '
            f'it takes {", ".join(takes)}')
@@ -78,7 +91,8 @@ def check_no_unknown_args(cls: type, unknown: dict) -> None:
         what = 'is an argument' if len(upstream) == 1 else 'are arguments'
         msg += (f'. {", ".join(map(repr, upstream))} {what} of a softmax backbone '
                 "(mmdet's, mmseg's or mmpretrain's Swin, PVT or ViT): a config that inherits "
-                f"one replaces it with backbone=dict(_delete_=True, type='{cls.__name__}', ...)")
+                f"one should replace it with backbone=dict(_delete_=True, type='{cls.__name__}', "
+                "...)")
     raise TypeError(msg)
 
 

@@ -208,7 +208,7 @@ class FLattenDeiT(FLattenBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None,
                  **unknown):
-        check_no_unknown_args(type(self), unknown)
+        check_no_unknown_args(type(self), unknown, FLattenDeiT)
         super().__init__(init_cfg=init_cfg)
         self._settings(arch, embed_dims, num_heads, depth, mlp_ratio, attn_type)
         img = check_backbone_args(self.attn_type, in_channels, pretrain_img_size,

@@ -116,7 +116,7 @@ class FLattenPyramid(FLattenBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None,
                  **unknown):
-        check_no_unknown_args(type(self), unknown)  # names the class asked for
+        check_no_unknown_args(type(self), unknown, FLattenPyramid)  # names the class used
         super().__init__(init_cfg=init_cfg)
         settings = self._stage_settings(arch, embed_dims, depths, num_heads, mlp_ratios,
                                         attn_type, sr_ratios)

@@ -201,7 +201,7 @@ class FLattenSwin(SwinLikeBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None,
                  **unknown):
-        check_no_unknown_args(type(self), unknown)
+        check_no_unknown_args(type(self), unknown, FLattenSwin)
         super().__init__(init_cfg=init_cfg)
         dims, depths, num_heads, img = self._stage_settings(
             arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,

@@ -154,9 +154,11 @@ def depthwise_conv_module(conv: nn.Conv2d, x: Tensor, hw_shape: Tuple[int, int])
 
 
 def is_plain_depthwise(conv: nn.Module) -> bool:
-    """Whether ``conv`` is an ``nn.Conv2d`` without hooks computing what the op
-    computes: depth-wise, a square odd kernel, stride 1, zero padding K // 2."""
-    if type(conv) is not nn.Conv2d or must_call(conv):
+    """Whether ``conv`` is a plain ``nn.Conv2d`` the op may stand in for (not
+    one the layer must call: :func:`~flatten_mm.models.utils.must_call`) that
+    computes what the op computes: depth-wise, a square odd kernel, stride 1,
+    zero padding K // 2."""
+    if type(conv) is not nn.Conv2d or must_call(conv):  # (an nn.Linear is plain too)
         return False
     k = conv.kernel_size[0]
     return (conv.groups == conv.in_channels == conv.out_channels and conv.kernel_size == (k, k)

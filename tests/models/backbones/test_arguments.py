@@ -137,5 +137,19 @@ def test_softmax_backbone_arguments_say_how_to_replace_it(config, ours):
                 'FLattenPVTv2': "'num_layers' is 'depths' here. 'num_layers' is an argument"}
     assert f'{ours} got unexpected argument(s) ' in msg and upstream[ours] in msg
     assert msg.endswith(f"of a softmax backbone (mmdet's, mmseg's or mmpretrain's Swin, PVT "
-                        f"or ViT): a config that inherits one replaces it with "
+                        f"or ViT): a config that inherits one should replace it with "
                         f"backbone=dict(_delete_=True, type='{ours}', ...)")
+
+
+@pytest.mark.parametrize('name', ['flatten_pvt_tiny', 'flatten_swin_tiny', 'flatten_deit_tiny'])
+def test_timm_classifier_lists_its_and_the_backbones_arguments(name):
+    """A classifier hands what it does not take itself on to its backbone: the
+    error lists both (timm's in_chans, not the in_channels it sets from it)."""
+    import timm
+    with pytest.raises(TypeError) as info:
+        timm.create_model(name, window_sz=7)
+    msg = str(info.value)
+    assert "Classifier got unexpected argument(s) 'window_sz'; it takes arch, num_classes, " \
+        'global_pool, in_chans, embed_dims, ' in msg
+    assert msg.endswith('drop_path_rate, out_indices, frozen_stages, norm_eval, with_cp, init_cfg')
+    assert 'in_channels' not in msg and 'final_norm' not in msg
