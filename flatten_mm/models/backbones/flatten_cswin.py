@@ -27,7 +27,7 @@ from ..attention import FocusedLinearAttention
 from ..utils import (HWShape, map_to_tokens, pad_to_multiple, size_cached, stage_grid,
                      tokens_to_map)
 from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_path_rates,
-                      window_key_mask, window_merge, window_partition)
+                      strided_conv, window_key_mask, window_merge, window_partition)
 from ..ops.conv import depthwise_conv_module
 from .base import Stage, StageOutput, SwinLikeBackbone
 from .checks import check_no_unknown_args
@@ -177,7 +177,7 @@ class MergeBlock(nn.Module):
         self.norm = nn.LayerNorm(out_dims)
 
     def forward(self, x: Tensor, hw_shape: HWShape) -> Tuple[Tensor, HWShape]:
-        x = self.conv(tokens_to_map(x, hw_shape))
+        x = strided_conv(self.conv, tokens_to_map(x, hw_shape))
         return self.norm(map_to_tokens(x)), (x.shape[2], x.shape[3])
 
 
@@ -263,7 +263,7 @@ class FLattenCSwin(SwinLikeBackbone):
                  with_cp: bool = False,
                  init_cfg: Optional[dict] = None,
                  **unknown):
-        check_no_unknown_args(type(self), unknown)
+        check_no_unknown_args(type(self), unknown, FLattenCSwin)
         super().__init__(init_cfg=init_cfg)
         dims, depths, num_heads, img = self._stage_settings(
             arch, embed_dims, depths, num_heads, attn_type, mlp_ratio, in_channels=in_channels,
