@@ -92,9 +92,10 @@ class FLattenPyramid(FLattenBackbone):
     absolute_pos_embed: bool = True  # PVT: a learnt embedding added after each patch embedding
     stage_norm: bool = False  # PVTv2: a LayerNorm ending each stage
     mlp_dwconv: bool = False  # PVTv2: a 3x3 depth-wise conv in each MLP
+    default_arch: str  # the preset when ``arch`` is not given
 
     def __init__(self,
-                 arch: str = 'tiny',
+                 arch: Optional[str] = None,
                  in_channels: int = 3,
                  embed_dims: Optional[Sequence[int]] = None,
                  depths: Optional[Sequence[int]] = None,
@@ -118,8 +119,9 @@ class FLattenPyramid(FLattenBackbone):
                  **unknown):
         check_no_unknown_args(type(self), unknown, FLattenPyramid)  # names the class used
         super().__init__(init_cfg=init_cfg)
-        settings = self._stage_settings(arch, embed_dims, depths, num_heads, mlp_ratios,
-                                        attn_type, sr_ratios)
+        settings = self._stage_settings(self.default_arch if arch is None else arch,
+                                        embed_dims, depths, num_heads, mlp_ratios, attn_type,
+                                        sr_ratios)
         img = check_backbone_args(self.attn_type, in_channels, pretrain_img_size,
                                   focusing_factor, kernel_size, drop_rate, attn_drop_rate,
                                   drop_path_rate, attn_design)
@@ -239,6 +241,7 @@ class FLattenPVT(FLattenPyramid):
             loads an official ImageNet checkpoint (``{'model': state_dict}``).
     """
     ignore_unexpected = (r'head\.', r'norm\.')  # the classifier and its unused norm
+    default_arch = 'tiny'
     arch_zoo = {
         name: dict(embed_dims=[64, 128, 320, 512], num_heads=[1, 2, 5, 8],
                    mlp_ratios=[8, 8, 4, 4], depths=depths)
@@ -251,7 +254,8 @@ class FLattenPVTv2(FLattenPyramid):
     """FLatten-PVTv2: PVTv2 (overlapping patch embedding, depth-wise conv in
     the MLP, a LayerNorm after each stage) with focused linear attention.
 
-    Arguments as :class:`FLattenPVT`; ``arch`` is one of ``b0`` ... ``b5``.
+    Arguments as :class:`FLattenPVT`; ``arch`` is one of ``b0`` ... ``b5``
+    (default ``b0``).
     Heads are 1, 2, 5, 8 per stage in every preset (head dimension 32 for b0,
     64 for b1-b5), which gives the released parameter counts.
     """
@@ -259,6 +263,7 @@ class FLattenPVTv2(FLattenPyramid):
     absolute_pos_embed = False
     stage_norm = True
     mlp_dwconv = True
+    default_arch = 'b0'
     arch_zoo = {
         'b0': dict(embed_dims=[32, 64, 160, 256], num_heads=[1, 2, 5, 8],
                    mlp_ratios=[8, 8, 4, 4], depths=[2, 2, 2, 2]),

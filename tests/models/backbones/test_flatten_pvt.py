@@ -123,3 +123,10 @@ def test_weights_of_another_pretraining_size_are_resized():
         expected = F.interpolate(own.reshape(1, side, side, -1).permute(0, 3, 1, 2), size=grid,
                                  mode='bilinear', align_corners=False)
         torch.testing.assert_close(new, expected.flatten(2).transpose(1, 2))
+
+
+def test_each_version_builds_without_arguments():
+    """Without ``arch`` each version builds its smallest preset (PVTv2 took
+    PVT's 'tiny' and refused it)."""
+    assert FLattenPVT().arch == 'tiny' and FLattenPVTv2().arch == 'b0'
+    assert FLattenPVTv2().embed_dims == [32, 64, 160, 256]
