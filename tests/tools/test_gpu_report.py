@@ -35,7 +35,7 @@ def test_unknown_part_is_refused_naming_the_parts(tmp_path):
     result = run_script('run', str(tmp_path), 'env', 'benchmark')
     assert result.returncode == 2
     assert "unknown part 'benchmark'" in result.stderr
-    assert 'env tests core bb kernels bound bbc prof timm compile sweep' in result.stderr
+    assert 'env tests fuzz core bb kernels bound bbc prof timm compile sweep' in result.stderr
     assert not (tmp_path / 'env.log').exists()  # nothing ran
 
 

@@ -21,13 +21,13 @@
 #       FLATTEN_MM_REPORT_DEVICE=cpu runs every part on the CPU at tiny sizes, to find
 #       a typo before a GPU is spent on it.
 #
-# Parts: env tests core bb kernels bound bbc prof timm compile sweep (see part_* below).
+# Parts: env tests fuzz core bb kernels bound bbc prof timm compile sweep (see part_* below).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
 TOOLS=$ROOT/tools/analysis_tools
-PARTS=(env tests core bb kernels bound bbc prof timm compile sweep)
+PARTS=(env tests fuzz core bb kernels bound bbc prof timm compile sweep)
 PAIRS=(flatten-swin-t swin-t flatten-pvt-t pvt-t flatten-pvtv2-b1 pvtv2-b1
        flatten-cswin-t cswin-t)
 
@@ -83,12 +83,12 @@ settings() {
   if [ "$DEV" = cpu ]; then
     SIZE=64x96 SIZE2=64x80 BATCH=1 CORE_BATCH=1 ITERS=1 WARMUP=1 TIMM_BATCH=2
     CASES=(16x20x32x1 8x10x64x2) THREADS=(--threads 2) COMPILED=(flatten-pvt-t pvt-t)
-    TILINGS=('' warps=4,bwd_block=32)
+    TILINGS=('' warps=4,bwd_block=32) FUZZ_SECONDS=10
     export TRITON_INTERPRET=1  # the Triton kernels on the CPU
   else
     SIZE=800x1333 SIZE2=800x1216 BATCH=8 CORE_BATCH=16 ITERS=8 WARMUP=3 TIMM_BATCH=64
     CASES=(200x334x96x3 100x167x192x6) THREADS=() COMPILED=("${PAIRS[@]}")
-    TILINGS=('' warps=4,bwd_block=32 block=64,bwd_block=32 per_sm=8 warps=8)
+    TILINGS=('' warps=4,bwd_block=32 block=64,bwd_block=32 per_sm=8 warps=8) FUZZ_SECONDS=150
   fi
 }
 
@@ -124,6 +124,10 @@ part_tests() {  # the CUDA tests (they skip without CUDA) and the Triton kernels
     tests/models/test_tooling.py tests/models/test_designs.py \
     tests/models/backbones/test_stale_caches.py -k "cuda or triton" \
     --junitxml "$OUT/tests.xml")
+}
+
+part_fuzz() {  # random backbones, sizes and modes on this device against float64 on the CPU
+  "$PY" "$TOOLS/fuzz_backbones.py" --device "$DEV" --seconds "$FUZZ_SECONDS" --seed 1
 }
 
 part_core() {  # the core against the reference; the fused DWC against cuDNN's conv; the
@@ -214,7 +218,7 @@ run() {
     export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   fi
   settings
-  export OUT DEV SIZE SIZE2 BATCH CORE_BATCH ITERS WARMUP TIMM_BATCH
+  export OUT DEV SIZE SIZE2 BATCH CORE_BATCH ITERS WARMUP TIMM_BATCH FUZZ_SECONDS
   local start rc limit failed=0
   echo "# $(date -u '+%F %T') on $DEV: $*" >> "$OUT/summary.txt"
   for part in "$@"; do

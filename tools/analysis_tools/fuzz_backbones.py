@@ -1,0 +1,159 @@
+"""Randomised differential check of the backbones against the reference formula.
+
+    python tools/analysis_tools/fuzz_backbones.py --seconds 300 --seed 1
+    python tools/analysis_tools/fuzz_backbones.py --device cuda --seconds 120 --seed 2
+
+Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
+configuration (attention type per stage, key reduction, windows, DWC kernel
+size, focusing factor), batch 1-3, an image of 1-90 pixels a side (16-90 for
+DeiT), a mode (training; inference under ``no_grad``, ``inference_mode``, or
+with gradients in eval mode) and, in 30 % of cases, bf16 autocast. It runs the
+model as users do (the backend chosen per call: the CPU path, or Triton on
+CUDA) and the same weights through the reference formula in float64 on CPU,
+and compares the outputs and, where gradients are taken, every gradient
+(input included; relative to its norm plus 1e-3 of the largest, so that the
+rounding of gradients that are zero in exact arithmetic, such as the scale's,
+does not count). fp32 passes within ``--tol`` (outputs) and ten times that
+(gradients); bf16 within three times the reference formula's own bf16 error
+plus 1e-2. Every case that fails (or raises where float64 does not) is
+printed with what rebuilds it; the exit status is 1 if any did.
+"""
+import argparse
+import copy
+import random
+import sys
+import time
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
+from flatten_mm.models.ops.dispatch import use_backend
+
+FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
+MODES = ('train', 'eval-nograd', 'eval-inference', 'eval-grad')
+Grads = List[Tuple[str, torch.Tensor]]
+
+
+def random_case(rng: random.Random, families=FAMILIES) -> dict:
+    """A case's family, constructor arguments, input shape, mode and autocast."""
+    family = rng.choice(families)
+    kw = dict(kernel_size=rng.choice([0, 3, 5]), focusing_factor=rng.choice([1.5, 2, 3]),
+              drop_path_rate=0.)
+    stages = ''.join(rng.choice('LS') for _ in range(3 if family == 'deit' else 4))
+    if family in ('pvt', 'pvtv2'):
+        kw.update(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
+                  sr_ratios=[rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]),
+                             rng.choice([1, 2]), 1])
+    elif family == 'swin':
+        kw.update(embed_dims=16, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2],
+                  window_size=rng.choice([3, 4, 7]), linear_window=rng.choice([None, 5, 7]))
+    elif family == 'cswin':
+        kw.update(embed_dims=16, num_heads=[2, 2, 4, 4], depths=[1, 1, 1, 1])
+    else:
+        kw.update(embed_dims=32, num_heads=2, depth=3, final_norm=True, out_indices=(0, 2))
+    low = 16 if family == 'deit' else 1
+    return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
+                size=(rng.randint(low, 90), rng.randint(low, 90)), mode=rng.choice(MODES),
+                autocast=rng.random() < 0.3)
+
+
+def build(case: dict) -> nn.Module:
+    cls = dict(pvt=FLattenPVT, pvtv2=FLattenPVTv2, swin=FLattenSwin, cswin=FLattenCSwin,
+               deit=FLattenDeiT)[case['family']]
+    model = cls(**case['kwargs'])
+    model.init_weights()
+    return model
+
+
+def run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, dtype: torch.dtype,
+        autocast: bool, device: str) -> Tuple[List[torch.Tensor], Grads]:
+    """Outputs (float64, on CPU) and, where the mode takes them, the gradients
+    of a fixed linear loss: the input's, then every parameter's by name."""
+    model = copy.deepcopy(model).to(device, dtype).train(mode == 'train')
+    x = x.detach().to(device, dtype).clone().requires_grad_(mode in ('train', 'eval-grad'))
+    context = (torch.inference_mode() if mode == 'eval-inference' else
+               torch.no_grad() if mode == 'eval-nograd' else torch.enable_grad())
+    with use_backend(backend), context, torch.autocast(device, torch.bfloat16, autocast):
+        outs = [o.double().cpu() for o in model(x)]
+    grads: Grads = []
+    if x.requires_grad:
+        sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum()
+            for o in outs).backward()
+        grads = [('input', x.grad.double().cpu())] + [
+            (n, p.grad.double().cpu()) for n, p in model.named_parameters() if p.grad is not None]
+    return outs, grads
+
+
+def errors(got: tuple, ref: tuple) -> Tuple[float, float, str]:
+    """The largest relative error of the outputs, of the gradients (see the
+    module's docstring), and the name of the gradient that has it."""
+    out = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got[0], ref[0]))
+    if not ref[1]:
+        return out, 0., ''
+    if [n for n, _ in got[1]] != [n for n, _ in ref[1]]:
+        return out, float('inf'), 'the set of gradients'
+    floor = 1e-3 * max(g.norm().item() for _, g in ref[1])
+    errs = [((a - b).norm() / (b.norm() + floor + 1e-30)).item()
+            for (_, a), (_, b) in zip(got[1], ref[1])]
+    worst = max(range(len(errs)), key=lambda i: errs[i])
+    return out, errs[worst], ref[1][worst][0]
+
+
+def check_case(case: dict, device: str, tol: float) -> Optional[str]:
+    """None if the case passes, else a line saying how it failed."""
+    model = build(case)
+    x = torch.randn(case['batch'], 3, *case['size'])
+    mode, autocast = case['mode'], case['autocast']
+    try:
+        got = run(model, x, mode, 'auto', torch.float32, autocast, device)
+    except Exception as e:  # noqa: BLE001  (a failure to report, if float64 runs)
+        run(model, x, mode, 'reference', torch.float64, False, 'cpu')
+        return f'raised {type(e).__name__}: {e}'
+    ref = run(model, x, mode, 'reference', torch.float64, False, 'cpu')
+    out, grad, worst = errors(got, ref)
+    if not autocast:
+        ok = out <= tol and grad <= 10 * tol
+        return None if ok else f'fp32 outputs {out:.2e}, gradients {grad:.2e} ({worst})'
+    base = run(model, x, mode, 'reference', torch.float32, True, device)
+    base_out, base_grad, _ = errors(base, ref)
+    ok = out <= 3 * base_out + 1e-2 and grad <= 3 * base_grad + 1e-2
+    return None if ok else (f'bf16 outputs {out:.2e}, gradients {grad:.2e} ({worst}); the '
+                            f'reference formula in bf16: {base_out:.2e}, {base_grad:.2e}')
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--seconds', type=float, default=60., help='time to spend (default 60)')
+    parser.add_argument('--cases', type=int, default=None, help='stop after this many cases')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--device', default='cpu', help='where the model runs (cpu, cuda)')
+    parser.add_argument('--families', nargs='+', choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument('--tol', type=float, default=1e-4,
+                        help='fp32 outputs; ten times this for gradients (default 1e-4)')
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith('cuda'):  # exact fp32 products, as the reference's
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    rng, torch_seed = random.Random(args.seed), args.seed
+    start, done, failed = time.perf_counter(), 0, 0
+    while time.perf_counter() - start < args.seconds and (args.cases is None
+                                                           or done < args.cases):
+        case = random_case(rng, tuple(args.families))
+        torch.manual_seed(torch_seed + done)
+        problem = check_case(case, args.device, args.tol)
+        done += 1
+        if problem is not None:
+            failed += 1
+            print(f'case {done - 1} (torch seed {torch_seed + done - 1}): {case}: {problem}',
+                  flush=True)
+    print(f'{done} cases, {failed} failed (seed {args.seed}, {args.device})')
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
