@@ -47,3 +47,14 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {c['autocast'] for c in cases} == {True, False}
     for c in cases[:20]:  # every draw builds
         fuzz_backbones.build(c)
+
+
+def test_a_non_finite_gradient_fails():
+    """NaN would hide in Python's max: errors() counts it as inf."""
+    import torch
+    ref = ([torch.ones(3)], [('input', torch.ones(3)), ('a', torch.ones(3)), ('b', torch.ones(3))])
+    got = ([torch.ones(3)], [('input', torch.ones(3)), ('a', torch.ones(3)),
+                             ('b', torch.tensor([1., float('nan'), 1.]))])
+    assert fuzz_backbones.errors(got, ref) == (0., float('inf'), 'b')
+    got[0][0] = torch.tensor([float('nan'), 1., 1.])
+    assert fuzz_backbones.errors(got, ref)[0] == float('inf')
