@@ -289,7 +289,7 @@ def reference_forward(module: nn.Module, x: Tensor, hw_shape: HWShape) -> Tensor
     P = getattr(module, 'num_prefix_tokens', 0)
     q = module.q(x)
     if module.sr_ratio > 1:
-        x, grid = spatial_reduce(x, hw_shape, module.sr, module.norm, module.sr_ratio)
+        x, grid = spatial_reduce(x, hw_shape, module)
     else:
         grid = tuple(hw_shape)
     k, v = module.kv(x).chunk(2, dim=-1)

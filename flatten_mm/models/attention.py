@@ -148,8 +148,10 @@ def fuses_local_term(layer: nn.Module) -> bool:
     replaced in a subclass or on the instance, which the one call would
     bypass), a DWC and LePE it need not call (:func:`~flatten_mm.models.utils.must_call`),
     and ``fuse_local_term`` (a class attribute)."""
-    return (layer.fuse_local_term and layer.attn_design == 'focused' and layer.sr_ratio == 1
-            and bool(local_modules(layer)) and not must_call(*local_modules(layer))
+    if not (layer.fuse_local_term and layer.attn_design == 'focused' and layer.sr_ratio == 1):
+        return False
+    modules = local_modules(layer)
+    return (bool(modules) and not must_call(*modules)
             and all(_own_method(layer, name) for name in ('attend', 'project_qkv')))
 
 
@@ -291,7 +293,7 @@ class FocusedLinearAttention(nn.Module):
         if self.sr_ratio == 1:  # (stacked_qkv)
             return (*split_qkv(stacked_qkv(self, x, hw_shape)), tuple(hw_shape))
         q = self.q(x)
-        x, grid = spatial_reduce(x, hw_shape, self.sr, self.norm, self.sr_ratio)
+        x, grid = spatial_reduce(x, hw_shape, self)
         k, v = self.add_positional_encoding_(stacked_linear(x, self.kv), grid, 0, B).view(
             B, -1, 2 * C).split(C, -1)
         return q, k, v, grid

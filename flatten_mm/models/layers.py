@@ -200,9 +200,8 @@ class Mlp(nn.Module):
         (hooked, or not the plain module: :func:`~flatten_mm.models.utils.must_call`)."""
         if torch.compiler.is_compiling() or is_fx_symbolic_tracing() or torch.jit.is_tracing():
             return False
-        if must_call(self.fc1, self.act, self.drop, self.fc2):
-            return False
         return (x.device.type == 'cpu' and not hasattr(self, 'dwconv')
+                and not must_call(self.fc1, self.act, self.drop, self.fc2)
                 and (self.drop.p == 0 or not self.training)
                 and type(self.act) is nn.GELU and self.act.approximate == 'none'
                 and x.dtype == self.fc1.weight.dtype
@@ -238,7 +237,7 @@ class SpatialReductionAttention(nn.Module):
         h = self.num_heads
         q = self.q(x).view(B, N, h, C // h).transpose(1, 2)
         if self.sr_ratio > 1:
-            x, _ = spatial_reduce(x, hw_shape, self.sr, self.norm, self.sr_ratio)
+            x, _ = spatial_reduce(x, hw_shape, self)
         k, v = self.kv(x).view(B, -1, 2, h, C // h).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0.)

@@ -268,20 +268,20 @@ def map_to_tokens(x: Tensor) -> Tensor:
     return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1, x.shape[1])
 
 
-def spatial_reduce(x: Tensor, hw_shape: HWShape, sr: nn.Conv2d, norm: nn.LayerNorm,
-                   sr_ratio: int) -> Tuple[Tensor, HWShape]:
-    """PVT's key/value reduction: strided conv (stride ``sr_ratio``, the layer's:
-    ``sr`` may be an adapter without a ``stride``) + LayerNorm on a (B, N, C) map.
+def spatial_reduce(x: Tensor, hw_shape: HWShape, layer: nn.Module) -> Tuple[Tensor, HWShape]:
+    """PVT's key/value reduction of a (B, N, C) map by ``layer``'s strided conv
+    ``sr`` (stride ``layer.sr_ratio``: ``sr`` may be an adapter without a
+    ``stride``) and LayerNorm ``norm``.
 
     A map whose sides are not multiples of the stride is first extended by
     replicating its last row/column, so every pixel is summarised (the
     release, at its fixed training size, never needed this) and maps smaller
     than the stride still give one key.
     """
-    x = pad_to_multiple(tokens_to_map(x, hw_shape), sr_ratio, mode='replicate')
-    x = sr(x)
+    x = pad_to_multiple(tokens_to_map(x, hw_shape), layer.sr_ratio, mode='replicate')
+    x = layer.sr(x)
     grid = (x.shape[2], x.shape[3])
-    return norm(map_to_tokens(x)), grid
+    return layer.norm(map_to_tokens(x)), grid
 
 
 def add_projections(module: nn.Module, embed_dims: int, qkv_bias: bool,
