@@ -17,8 +17,12 @@ def test_random_cases_pass(capsys):
 
 
 def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
-    """The CPU backends' results 20 % off: exactly the cases with focused
-    linear (L) stages fail, the ones with softmax stages only pass."""
+    """The CPU backends' results 20 % off: every fp32 case with focused
+    linear (L) stages fails, no case with softmax stages only does. (A bf16
+    case fails only where the error shows above bf16's own: at these widths
+    the attention adds little to the residual stream, and 20 % there moved
+    the outputs of seed 25's bf16 cases by 0.2-0.6 %, bf16's rounding by
+    0.7-2 %.)"""
     import random
     from flatten_mm.models.ops import dispatch
     for op, backends in dispatch._BACKENDS.items():
@@ -28,14 +32,16 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
             out = _fn(*args, **kwargs)
             return out * 1.2 if out is not None else out
         monkeypatch.setitem(backends, 'torch', off)
-    rng = random.Random(3)
-    linear = {i for i in range(6) if 'L' in fuzz_backbones.random_case(
-        rng, ('pvt',))['kwargs']['attn_type']}
-    assert 0 < len(linear) < 6
-    assert fuzz_backbones.main(['--cases', '6', '--seed', '3', '--families', 'pvt']) == 1
+    rng = random.Random(25)
+    cases = [fuzz_backbones.random_case(rng, ('pvt',)) for _ in range(6)]
+    linear = {i for i, c in enumerate(cases) if 'L' in c['kwargs']['attn_type']}
+    fp32 = {i for i in linear if not cases[i]['autocast']}
+    assert fp32 and linear < set(range(6))
+    assert fuzz_backbones.main(['--cases', '6', '--seed', '25', '--families', 'pvt']) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert {int(line.split()[1]) for line in lines[:-1]} == linear
-    assert lines[-1] == f'6 cases, {len(linear)} failed (seed 3, cpu)'
+    failed = {int(line.split()[1]) for line in lines[:-1]}
+    assert fp32 <= failed <= linear
+    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 25, cpu)'
 
 
 def test_cases_are_drawn_from_every_family_and_mode():
@@ -45,6 +51,10 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {c['family'] for c in cases} == set(fuzz_backbones.FAMILIES)
     assert {c['mode'] for c in cases} == set(fuzz_backbones.MODES)
     assert {c['autocast'] for c in cases} == {True, False}
+    assert {c['channels_last'] for c in cases} == {True, False}
+    assert {c['kwargs']['with_cp'] for c in cases} == {True, False}
+    assert {c['kwargs']['with_cp'] for c in cases if c['mode'] != 'train'} == {False}
+    assert {c['warm'] is None for c in cases} == {True, False}
     for c in cases[:20]:  # every draw builds
         fuzz_backbones.build(c)
 
@@ -58,3 +68,25 @@ def test_a_non_finite_gradient_fails():
     assert fuzz_backbones.errors(got, ref) == (0., float('inf'), 'b')
     got[0][0] = torch.tensor([float('nan'), 1., 1.])
     assert fuzz_backbones.errors(got, ref)[0] == float('inf')
+
+
+@pytest.mark.parametrize('stale', [False, True])
+def test_a_cache_that_outlives_new_weights_is_caught(monkeypatch, stale):
+    """A first call at the case's size caches PVT's resized positional
+    encodings (inference on CPU); the weights then change in place. The case
+    passes, and fails where the cache ignores the new values."""
+    from flatten_mm.models import layers, resize, utils
+    if stale:
+        def by_key_only(module, key, make, params):
+            return utils.size_cached(module, ('by key only', key), make)
+        for module in (resize, layers):
+            monkeypatch.setattr(module, 'param_cached', by_key_only)
+    nograd = dict(batch=1, size=(40, 40), mode='eval-nograd', autocast=False)
+    case = dict(nograd, family='pvt', channels_last=False, warm=nograd, kwargs=dict(
+        embed_dims=[8, 16, 24, 32], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
+        attn_type='LLLL', drop_path_rate=0.))
+    problem = fuzz_backbones.check_case(case, 'cpu', 1e-4)
+    assert (problem is not None) == stale, problem
+    if stale:
+        assert problem.startswith('fp32 outputs ')
+        assert float(problem.split()[2].rstrip(',')) > 1e-3

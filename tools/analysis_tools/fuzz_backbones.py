@@ -5,22 +5,27 @@
 
 Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
 configuration (attention type per stage, key reduction, windows, DWC kernel
-size, focusing factor), batch 1-3, an image of 1-90 pixels a side (16-90 for
-DeiT), a mode (training; inference under ``no_grad``, ``inference_mode``, or
-with gradients in eval mode) and, in 30 % of cases, bf16 autocast. It runs the
+size, focusing factor, 8, 16 or 24 channels per head), batch 1-3, an image of
+1-90 pixels a side (16-90 for DeiT), a mode (training, in 30 % of cases with
+gradient checkpointing; inference under ``no_grad``, ``inference_mode``, or
+with gradients in eval mode), in 30 % of cases bf16 autocast, in 20 % the model
+and images in channels-last layout, and in 30 % a first call on other images
+(at the same size or another, in any mode) followed by an in-place change of
+every parameter, as an optimiser step or EMA update makes it. It runs the
 model as users do (the backend chosen per call: the CPU path, or Triton on
-CUDA) and the same weights through the attention core's reference formula
-in float64 on CPU (the rest of the model in float64 too; on CPU the DWC's add
-is the same torch code in both runs, on CUDA the Triton kernels are checked
-against it), and compares the outputs and, where gradients are taken, every gradient
-(input included; relative to its norm plus 1e-3 of the largest, so that the
-rounding of gradients that are zero in exact arithmetic, such as the scale's,
-does not count). A case passes within three times the error of the reference
-formula run in the same precision on the same device (fp32, or bf16 autocast)
-plus ``--tol`` for fp32 outputs, ten times that for fp32 gradients, 1e-2 for
-bf16: as close to exact as the plain formula is. Every case that fails (or
-raises where float64 does not) is printed with what rebuilds it; the exit
-status is 1 if any did.
+CUDA) and the same weights through the attention core's reference formula in
+float64 on CPU (the rest of the model in float64 too, contiguous, without the
+first call or checkpointing; on CPU the DWC's add is the same torch code in
+both runs, on CUDA the Triton kernels are checked against it), and compares
+the outputs and, where gradients are taken, every gradient (input included;
+relative to its norm plus 1e-3 of the largest, so that the rounding of
+gradients that are zero in exact arithmetic, such as the scale's, does not
+count). A case passes within three times the error of the reference formula
+run in the same precision on the same device (fp32, or bf16 autocast) plus
+``--tol`` for fp32 outputs, ten times that for fp32 gradients, 1e-2 for bf16:
+as close to exact as the plain formula is. Every case that fails (or raises
+where float64 does not) is printed with what rebuilds it; the exit status is
+1 if any did.
 """
 import argparse
 import copy
@@ -42,26 +47,38 @@ Grads = List[Tuple[str, torch.Tensor]]
 
 
 def random_case(rng: random.Random, families=FAMILIES) -> dict:
-    """A case's family, constructor arguments, input shape, mode and autocast."""
+    """A case's family, constructor arguments, input shape and layout, mode
+    and autocast."""
     family = rng.choice(families)
     kw = dict(kernel_size=rng.choice([0, 3, 5]), focusing_factor=rng.choice([1.5, 2, 3]),
               drop_path_rate=0.)
     stages = ''.join(rng.choice('LS') for _ in range(3 if family == 'deit' else 4))
+    width = rng.choice([8, 16, 24])  # channels per head (of the first stage's heads)
     if family in ('pvt', 'pvtv2'):
-        kw.update(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
-                  sr_ratios=[rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]),
-                             rng.choice([1, 2]), 1])
+        kw.update(embed_dims=[width, 2 * width, 3 * width, 4 * width], num_heads=[1, 2, 3, 4],
+                  depths=[1, 1, 1, 1], sr_ratios=[rng.choice([1, 2, 4, 8]),
+                                                  rng.choice([1, 2, 4]), rng.choice([1, 2]), 1])
     elif family == 'swin':
-        kw.update(embed_dims=16, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2],
+        kw.update(embed_dims=width, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2],
                   window_size=rng.choice([3, 4, 7]), linear_window=rng.choice([None, 5, 7]))
     elif family == 'cswin':
-        kw.update(embed_dims=16, num_heads=[2, 2, 4, 4], depths=[1, 1, 1, 1])
+        kw.update(embed_dims=2 * width, num_heads=[2, 2, 4, 4], depths=[1, 1, 1, 1])
     else:
-        kw.update(embed_dims=32, num_heads=2, depth=3, final_norm=True, out_indices=(0, 2))
+        kw.update(embed_dims=2 * width, num_heads=2, depth=3, final_norm=True,
+                  out_indices=(0, 2))
+    mode = rng.choice(MODES)
+    kw['with_cp'] = mode == 'train' and rng.random() < 0.3
     low = 16 if family == 'deit' else 1
+    size = (rng.randint(low, 90), rng.randint(low, 90))
+    warm = None
+    if rng.random() < 0.3:  # a first call, at this size or another, then new weights
+        warm = dict(batch=rng.choice([1, 2, 3]), mode=rng.choice(MODES),
+                    autocast=rng.random() < 0.3,
+                    size=size if rng.random() < 0.5 else (rng.randint(low, 90),
+                                                          rng.randint(low, 90)))
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
-                size=(rng.randint(low, 90), rng.randint(low, 90)), mode=rng.choice(MODES),
-                autocast=rng.random() < 0.3)
+                size=size, mode=mode, autocast=rng.random() < 0.3,
+                channels_last=rng.random() < 0.2, warm=warm)
 
 
 def build(case: dict) -> nn.Module:
@@ -72,16 +89,17 @@ def build(case: dict) -> nn.Module:
     return model
 
 
-def run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, dtype: torch.dtype,
-        autocast: bool, device: str) -> Tuple[List[torch.Tensor], Grads]:
-    """Outputs (float64, on CPU) and, where the mode takes them, the gradients
-    of a fixed linear loss: the input's, then every parameter's by name."""
-    model = copy.deepcopy(model).to(device, dtype).train(mode == 'train')
-    x = x.detach().to(device, dtype).clone().requires_grad_(mode in ('train', 'eval-grad'))
+def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str, autocast: bool
+         ) -> Tuple[List[torch.Tensor], Grads]:
+    """Outputs (float64, on CPU) of ``model`` for images ``x`` and, where the
+    mode takes them, the gradients of a fixed linear loss: the input's, then
+    every parameter's by name."""
+    model.train(mode == 'train')
+    x = x.detach().clone().requires_grad_(mode in ('train', 'eval-grad'))
     context = (torch.inference_mode() if mode == 'eval-inference' else
                torch.no_grad() if mode == 'eval-nograd' else torch.enable_grad())
-    with use_backend(backend), context, torch.autocast(torch.device(device).type,
-                                                        torch.bfloat16, autocast):
+    with use_backend(backend), context, torch.autocast(x.device.type, torch.bfloat16,
+                                                        autocast):
         outs = [o.double().cpu() for o in model(x)]
     grads: Grads = []
     if x.requires_grad:
@@ -90,6 +108,26 @@ def run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, dtype: torch
         grads = [('input', x.grad.double().cpu())] + [
             (n, p.grad.double().cpu()) for n, p in model.named_parameters() if p.grad is not None]
     return outs, grads
+
+
+def run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, dtype: torch.dtype,
+        autocast: bool, device: str, warm: Optional[dict] = None
+        ) -> Tuple[List[torch.Tensor], Grads]:
+    """:func:`call` on a copy of ``model`` in ``dtype`` on ``device``. With
+    ``warm``, the copy first runs on other images (``warm['images']``, in its
+    ``mode`` and ``autocast``), then its parameters change in place by
+    ``warm['steps']`` (as an optimiser or EMA updates them), as in every run
+    of the case: what the first call cached must not leak into the second."""
+    model = copy.deepcopy(model).to(device, dtype)
+    if warm is not None:
+        if warm.get('images') is not None:
+            call(model, warm['images'].to(device, dtype), warm['mode'], backend,
+                 warm['autocast'])
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.grad = None
+                p.add_(warm['steps'][name].to(p))
+    return call(model, x.to(device, dtype), mode, backend, autocast)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor, floor: float = 0.) -> float:
@@ -117,13 +155,25 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     model = build(case)
     x = torch.randn(case['batch'], 3, *case['size'])
     mode, autocast = case['mode'], case['autocast']
+    plain = copy.deepcopy(model)  # the reference runs without checkpointing, contiguous
+    plain.with_cp = False
+    steps, warm = None, case.get('warm')
+    if warm is not None:
+        steps = dict(steps={n: 0.1 * torch.randn(p.shape, dtype=torch.float64) *
+                            (p.detach().double().abs().mean() + 1e-3)
+                            for n, p in model.named_parameters()})
+        warm = dict(steps, images=torch.randn(warm['batch'], 3, *warm['size']),
+                    mode=warm['mode'], autocast=warm['autocast'])
     try:
-        ref = run(model, x, mode, 'reference', torch.float64, False, 'cpu')
+        ref = run(plain, x, mode, 'reference', torch.float64, False, 'cpu', steps)
     except Exception as e:  # noqa: BLE001  (nothing to compare with)
         return f'the reference formula in float64 raised {type(e).__name__}: {e}'
+    if case.get('channels_last'):
+        model, x = (t.to(memory_format=torch.channels_last) for t in (model, x))
     try:
-        got = run(model, x, mode, 'auto', torch.float32, autocast, device)
-        base = run(model, x, mode, 'reference', torch.float32, autocast, device)
+        got = run(model, x, mode, 'auto', torch.float32, autocast, device, warm)
+        base = run(plain, x.contiguous(), mode, 'reference', torch.float32, autocast, device,
+                   steps)
     except Exception as e:  # noqa: BLE001  (a failure to report)
         return f'raised {type(e).__name__}: {e}'
     (out, grad, worst), (base_out, base_grad, _) = errors(got, ref), errors(base, ref)
