@@ -18,11 +18,11 @@ def test_random_cases_pass(capsys):
 
 def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
     """The CPU backends' results 20 % off: every fp32 case with focused
-    linear (L) stages fails, no case with softmax stages only does. (A bf16
-    case fails only where the error shows above bf16's own: at these widths
-    the attention adds little to the residual stream, and 20 % there moved
-    the outputs of seed 25's bf16 cases by 0.2-0.6 %, bf16's rounding by
-    0.7-2 %.)"""
+    linear (L) stages in the paper's design fails, no case with softmax stages
+    only does. (A bf16 case fails only where the error shows above bf16's
+    own: at these widths the attention adds little to the residual stream,
+    and 20 % there moved the outputs of two bf16 cases by 0.2-0.6 %, bf16's
+    rounding by 0.7-2 %.)"""
     import random
     from flatten_mm.models.ops import dispatch
     for op, backends in dispatch._BACKENDS.items():
@@ -32,20 +32,22 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
             out = _fn(*args, **kwargs)
             return out * 1.2 if out is not None else out
         monkeypatch.setitem(backends, 'torch', off)
-    rng = random.Random(25)
+    rng = random.Random(31)
     cases = [fuzz_backbones.random_case(rng, ('pvt',)) for _ in range(6)]
     linear = {i for i, c in enumerate(cases) if 'L' in c['kwargs']['attn_type']}
-    fp32 = {i for i in linear if not cases[i]['autocast']}
+    fp32 = {i for i in linear if not cases[i]['autocast']
+            and cases[i]['kwargs'].get('attn_design', 'focused') == 'focused'}
     assert fp32 and linear < set(range(6))
-    assert fuzz_backbones.main(['--cases', '6', '--seed', '25', '--families', 'pvt']) == 1
+    assert fuzz_backbones.main(['--cases', '6', '--seed', '31', '--families', 'pvt']) == 1
     lines = capsys.readouterr().out.splitlines()
     failed = {int(line.split()[1]) for line in lines[:-1]}
     assert fp32 <= failed <= linear
-    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 25, cpu)'
+    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 31, cpu)'
 
 
 def test_cases_are_drawn_from_every_family_and_mode():
     import random
+    from flatten_mm.models.designs import DESIGNS
     rng = random.Random(0)
     cases = [fuzz_backbones.random_case(rng) for _ in range(200)]
     assert {c['family'] for c in cases} == set(fuzz_backbones.FAMILIES)
@@ -55,6 +57,10 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {c['kwargs']['with_cp'] for c in cases} == {True, False}
     assert {c['kwargs']['with_cp'] for c in cases if c['mode'] != 'train'} == {False}
     assert {c['warm'] is None for c in cases} == {True, False}
+    assert {c['kwargs'].get('attn_design', 'focused') for c in cases} == set(DESIGNS)
+    assert {c['kwargs']['in_channels'] for c in cases} == {1, 3, 4}
+    assert {c['kwargs']['qkv_bias'] for c in cases} == {True, False}
+    assert {'pretrain_img_size' in c['kwargs'] for c in cases} == {True, False}
     for c in cases[:20]:  # every draw builds
         fuzz_backbones.build(c)
 

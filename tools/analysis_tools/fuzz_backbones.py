@@ -5,8 +5,10 @@
 
 Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
 configuration (attention type per stage, key reduction, windows, DWC kernel
-size, focusing factor, 8, 16 or 24 channels per head), batch 1-3, an image of
-1-90 pixels a side (16-90 for DeiT), a mode (training, in 30 % of cases with
+size, focusing factor, 8, 16 or 24 channels per head; in 30 % of cases another
+attention design, in 30 % a pretraining size of 32-96; 1, 3 or 4 image
+channels, q/k/v biases or none), batch 1-3, an image of 1-90 pixels a side
+(16-90 for DeiT), a mode (training, in 30 % of cases with
 gradient checkpointing; inference under ``no_grad``, ``inference_mode``, or
 with gradients in eval mode), in 30 % of cases bf16 autocast, in 20 % the model
 and images in channels-last layout, and in 30 % a first call on other images
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
+from flatten_mm.models.designs import DESIGNS
 from flatten_mm.models.ops.dispatch import use_backend
 
 FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
@@ -66,6 +69,11 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
     else:
         kw.update(embed_dims=2 * width, num_heads=2, depth=3, final_norm=True,
                   out_indices=(0, 2))
+    if rng.random() < 0.3:
+        kw['attn_design'] = rng.choice(sorted(DESIGNS))
+    if rng.random() < 0.3:  # the grid of the positional encodings: resized, or not
+        kw['pretrain_img_size'] = 16 * rng.randint(2, 6)
+    kw.update(in_channels=rng.choice([3, 3, 3, 1, 4]), qkv_bias=rng.random() < 0.8)
     mode = rng.choice(MODES)
     kw['with_cp'] = mode == 'train' and rng.random() < 0.3
     low = 16 if family == 'deit' else 1
@@ -153,7 +161,7 @@ def errors(got: tuple, ref: tuple) -> Tuple[float, float, str]:
 def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     """None if the case passes, else a line saying how it failed."""
     model = build(case)
-    x = torch.randn(case['batch'], 3, *case['size'])
+    x = torch.randn(case['batch'], case['kwargs'].get('in_channels', 3), *case['size'])
     mode, autocast = case['mode'], case['autocast']
     plain = copy.deepcopy(model)  # the reference runs without checkpointing, contiguous
     plain.with_cp = False
@@ -162,7 +170,7 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
         steps = dict(steps={n: 0.1 * torch.randn(p.shape, dtype=torch.float64) *
                             (p.detach().double().abs().mean() + 1e-3)
                             for n, p in model.named_parameters()})
-        warm = dict(steps, images=torch.randn(warm['batch'], 3, *warm['size']),
+        warm = dict(steps, images=torch.randn(warm['batch'], x.shape[1], *warm['size']),
                     mode=warm['mode'], autocast=warm['autocast'])
     try:
         ref = run(plain, x, mode, 'reference', torch.float64, False, 'cpu', steps)
