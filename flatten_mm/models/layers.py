@@ -10,7 +10,7 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .utils import (HWShape, add_projections, check_heads, check_positive_int, must_call,
                     pad_to_multiple, param_cached, size_cached, spatial_reduce,
-                    specialize_image_size, tokens_to_map)
+                    specialize_image_size, strided_conv, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .ops.conv import depthwise_conv_module
 
@@ -71,28 +71,6 @@ def stage_output(x: Tensor, hw_shape: HWShape) -> Tensor:
     wrong values, silently.
     """
     return tokens_to_map(x, hw_shape).contiguous()
-
-
-def strided_conv(conv: nn.Module, x: Tensor) -> Tensor:
-    """``conv`` (a strided nn.Conv2d) of the map x. In half-precision training
-    on CPU, a map that gives an output one pixel wide is first widened with
-    zero columns to the widest input that gives that output (they stand where
-    the conv's zero padding would, so no output changes): PyTorch's CPU bf16
-    convolution returns wrong weight gradients for narrower ones, mostly
-    finite and far off (torch 2.14.1, bf16 autocast: ``Conv2d(16, 32, 3, 2,
-    1)`` on width 1, 75 of 100 tries off by more than 5 %; ``Conv2d(16, 32,
-    7, 4, 3)`` on widths 1-3, 17 of 18; none once widened; docs/advanced.md)."""
-    if is_fx_symbolic_tracing():  # (its sizes are proxies: the plain conv)
-        return conv(x)
-    if (x.device.type == 'cpu' and torch.is_grad_enabled()
-            and (torch.is_autocast_enabled('cpu') or x.dtype in (torch.bfloat16, torch.float16))
-            and isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros'
-            and isinstance(conv.padding, tuple)):
-        room = 2 * conv.padding[1] - conv.dilation[1] * (conv.kernel_size[1] - 1)
-        widest = conv.stride[1] - room  # the widest input with an output one pixel wide
-        if (x.shape[-1] + room - 1) // conv.stride[1] == 0 and widest > x.shape[-1]:
-            x = F.pad(x, (0, widest - x.shape[-1]))
-    return conv(x)
 
 
 class PatchEmbed(nn.Module):

@@ -268,6 +268,31 @@ def map_to_tokens(x: Tensor) -> Tensor:
     return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1, x.shape[1])
 
 
+def strided_conv(conv: nn.Module, x: Tensor) -> Tensor:
+    """``conv`` (a strided nn.Conv2d) of the map x. In half precision on CPU,
+    a map that gives an output one pixel wide is first widened with zero
+    columns to the widest input that gives that output (they stand where the
+    conv's zero padding would, or past its reach, so no output changes):
+    PyTorch's CPU bf16 convolution goes wrong on narrower ones (torch 2.14.1,
+    bf16 autocast). Weight gradients, mostly finite and far off:
+    ``Conv2d(16, 32, 3, 2, 1)`` on width 1, 75 of 100 tries off by more than
+    5 %; ``Conv2d(16, 32, 7, 4, 3)`` on widths 1-3, 17 of 18. Outputs, with
+    channels-last inputs, off by about 100 %: kernel = stride = 4, 8 or 16 on a
+    map that wide, for some channel counts under 32 (16 for 8, 4 for 16). None
+    once widened (docs/advanced.md)."""
+    if is_fx_symbolic_tracing():  # (its sizes are proxies: the plain conv)
+        return conv(x)
+    if (x.device.type == 'cpu'
+            and (torch.is_autocast_enabled('cpu') or x.dtype in (torch.bfloat16, torch.float16))
+            and isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros'
+            and isinstance(conv.padding, tuple)):
+        room = 2 * conv.padding[1] - conv.dilation[1] * (conv.kernel_size[1] - 1)
+        widest = conv.stride[1] - room  # the widest input with an output one pixel wide
+        if (x.shape[-1] + room - 1) // conv.stride[1] == 0 and widest > x.shape[-1]:
+            x = F.pad(x, (0, widest - x.shape[-1]))
+    return conv(x)
+
+
 def spatial_reduce(x: Tensor, hw_shape: HWShape, layer: nn.Module) -> Tuple[Tensor, HWShape]:
     """PVT's key/value reduction of a (B, N, C) map by ``layer``'s strided conv
     ``sr`` (stride ``layer.sr_ratio``: ``sr`` may be an adapter without a
@@ -279,7 +304,7 @@ def spatial_reduce(x: Tensor, hw_shape: HWShape, layer: nn.Module) -> Tuple[Tens
     than the stride still give one key.
     """
     x = pad_to_multiple(tokens_to_map(x, hw_shape), layer.sr_ratio, mode='replicate')
-    x = layer.sr(x)
+    x = strided_conv(layer.sr, x)
     grid = (x.shape[2], x.shape[3])
     return layer.norm(map_to_tokens(x)), grid
 

@@ -1,6 +1,8 @@
-"""Shared layers: the fused residual of DropPath, the MLP's chunked path."""
+"""Shared layers: the fused residual of DropPath, the MLP's chunked path, strided convs
+on narrow maps."""
 import pytest
 import torch
+from torch import nn
 
 from flatten_mm.models.layers import DropPath, Mlp
 
@@ -117,3 +119,38 @@ def test_strided_convs_on_narrow_maps_train_in_bf16(where):
         assert out.shape[1] == -(-x.shape[2] // conv.stride[0])  # one column
         err = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
         assert err < 0.05, (t, tuple(x.shape), layout, err)
+
+
+@pytest.mark.parametrize('where', ['deit-patch-embed', 'pvt-key-reduction'])
+def test_strided_convs_on_narrow_channels_last_maps_in_bf16(where):
+    """PyTorch's CPU bf16 convolution gets a conv with kernel = stride wrong
+    (about 100 % off) on a channels-last map that gives an output one pixel
+    wide, for some channel counts under 32: DeiT's patch embedding of
+    4-channel images and PVT's key reduction (sr_ratio 8, 16 channels; token
+    maps are channels-last) meet it. They widen such maps with zero columns
+    (the conv never reaches them): bf16 outputs within 5 % of fp32's, in
+    inference and in training, for every height tried."""
+    from flatten_mm.models.backbones.flatten_deit import ViTPatchEmbed
+    from flatten_mm.models.utils import spatial_reduce
+    if where == 'deit-patch-embed':
+        layer = ViTPatchEmbed(4, 32, 16)
+
+        def run(x):
+            return layer(x)[0]
+        inputs = [torch.randn(2, 4, h, 16).contiguous(memory_format=torch.channels_last)
+                  for h in (16, 40, 48)]
+    else:
+        layer = nn.Module()
+        layer.sr, layer.norm, layer.sr_ratio = nn.Conv2d(16, 16, 8, 8), nn.LayerNorm(16), 8
+
+        def run(x):
+            return spatial_reduce(x, (x.shape[1] // 8, 8), layer)[0]
+        inputs = [torch.randn(2, h * 8, 16) for h in (8, 20, 24)]
+    for x in inputs:
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                ref = run(x)
+                with torch.autocast('cpu', dtype=torch.bfloat16):
+                    out = run(x).float()
+            err = ((out - ref).norm() / ref.norm()).item()
+            assert err < 0.05, (tuple(x.shape), grad, err)

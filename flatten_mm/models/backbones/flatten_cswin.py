@@ -25,9 +25,9 @@ from torch import Tensor, nn
 from ...conversion import cswin_convert
 from ..attention import FocusedLinearAttention
 from ..utils import (HWShape, map_to_tokens, pad_to_multiple, size_cached, stage_grid,
-                     tokens_to_map)
+                     strided_conv, tokens_to_map)
 from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_path_rates,
-                      strided_conv, window_key_mask, window_merge, window_partition)
+                      window_key_mask, window_merge, window_partition)
 from ..ops.conv import depthwise_conv_module
 from .base import Stage, StageOutput, SwinLikeBackbone
 from .checks import check_no_unknown_args
@@ -163,7 +163,7 @@ class ConvStem(nn.Sequential):
                          nn.LayerNorm(embed_dims))
 
     def forward(self, x: Tensor) -> Tuple[Tensor, HWShape]:
-        x = self[0](pad_to_multiple(x, 4))
+        x = strided_conv(self[0], pad_to_multiple(x, 4))
         return self[2](map_to_tokens(x)), (x.shape[2], x.shape[3])
 
 

@@ -26,7 +26,7 @@ from ..layers import (DropPath, Mlp, check_attn_type, check_images, drop_path_ra
                       stage_output)
 from ..resize import add_resized, cached_resize_parts
 from ..utils import (HWShape, check_heads, check_number, check_positive_int, map_to_tokens,
-                     pad_to_multiple)
+                     pad_to_multiple, strided_conv)
 from .base import FLattenBackbone, Stage, StageOutput
 from .checks import check_backbone_args, check_no_unknown_args
 
@@ -60,7 +60,7 @@ class ViTPatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_channels, embed_dims, patch_size, stride=patch_size)
 
     def forward(self, x: Tensor):
-        x = self.proj(pad_to_multiple(x, self.patch_size))
+        x = strided_conv(self.proj, pad_to_multiple(x, self.patch_size))
         return map_to_tokens(x).contiguous(), (x.shape[2], x.shape[3])
 
 
