@@ -68,12 +68,42 @@ def test_cases_are_drawn_from_every_family_and_mode():
 def test_a_non_finite_gradient_fails():
     """NaN would hide in Python's max: errors() counts it as inf."""
     import torch
-    ref = ([torch.ones(3)], [('input', torch.ones(3)), ('a', torch.ones(3)), ('b', torch.ones(3))])
-    got = ([torch.ones(3)], [('input', torch.ones(3)), ('a', torch.ones(3)),
-                             ('b', torch.tensor([1., float('nan'), 1.]))])
-    assert fuzz_backbones.errors(got, ref) == (0., float('inf'), 'b')
-    got[0][0] = torch.tensor([float('nan'), 1., 1.])
-    assert fuzz_backbones.errors(got, ref)[0] == float('inf')
+    ref = ([('output 0', torch.ones(3))],
+           [('input', torch.ones(3)), ('a', torch.ones(3)), ('b', torch.ones(3))])
+    got = ([('output 0', torch.ones(3))], [('input', torch.ones(3)), ('a', torch.ones(3)),
+                                           ('b', torch.tensor([1., float('nan'), 1.]))])
+    assert fuzz_backbones.errors(got, ref) == (0., 'output 0', float('inf'), 'b')
+    got[0][0] = ('output 0', torch.tensor([float('nan'), 1., 1.]))
+    assert fuzz_backbones.errors(got, ref)[:2] == (float('inf'), 'output 0')
+
+
+@pytest.mark.parametrize('autocast', [False, True])
+def test_a_fault_of_shared_code_is_caught(monkeypatch, autocast):
+    """A fault in code the reference formula runs too (here PVT's key
+    reduction's channels reversed under bf16 autocast, as a PyTorch kernel
+    could go wrong) hides in the model's outputs and in the comparison with the
+    reference formula in the same precision. The attention layer's own
+    output shows it, over the cap on output errors."""
+    import torch
+    from flatten_mm.models import utils
+    plain = utils.strided_conv
+
+    def reversed_in_bf16(conv, x):
+        out = plain(conv, x)
+        return out.flip(1) if torch.is_autocast_enabled('cpu') else out
+    monkeypatch.setattr(utils, 'strided_conv', reversed_in_bf16)
+    case = dict(family='pvt', batch=2, size=(40, 24), mode='eval-nograd', autocast=autocast,
+                channels_last=False, warm=None, kwargs=dict(
+                    embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
+                    sr_ratios=[8, 4, 2, 1], attn_type='SSSS', drop_path_rate=0.))
+    problem = fuzz_backbones.check_case(case, 'cpu', 1e-4)
+    if not autocast:
+        assert problem is None
+        return
+    words = problem.split()
+    assert words[:2] == ['bf16', 'outputs'] and words[3] == '(block1.0.attn);', problem
+    assert float(words[2]) > fuzz_backbones.OUTPUT_CAP[True]
+    assert float(words[-1]) > fuzz_backbones.OUTPUT_CAP[True]  # the reference formula's too
 
 
 @pytest.mark.parametrize('stale', [False, True])

@@ -8,26 +8,30 @@ configuration (attention type per stage, key reduction, windows, DWC kernel
 size, focusing factor, 8, 16 or 24 channels per head; in 30 % of cases another
 attention design, in 30 % a pretraining size of 32-96; 1, 3 or 4 image
 channels, q/k/v biases or none), batch 1-3, an image of 1-90 pixels a side
-(16-90 for DeiT), a mode (training, in 30 % of cases with
-gradient checkpointing; inference under ``no_grad``, ``inference_mode``, or
-with gradients in eval mode), in 30 % of cases bf16 autocast, in 20 % the model
-and images in channels-last layout, and in 30 % a first call on other images
-(at the same size or another, in any mode) followed by an in-place change of
-every parameter, as an optimiser step or EMA update makes it. It runs the
-model as users do (the backend chosen per call: the CPU path, or Triton on
-CUDA) and the same weights through the attention core's reference formula in
-float64 on CPU (the rest of the model in float64 too, contiguous, without the
-first call or checkpointing; on CPU the DWC's add is the same torch code in
-both runs, on CUDA the Triton kernels are checked against it), and compares
-the outputs and, where gradients are taken, every gradient (input included;
-relative to its norm plus 1e-3 of the largest, so that the rounding of
-gradients that are zero in exact arithmetic, such as the scale's, does not
-count). A case passes within three times the error of the reference formula
-run in the same precision on the same device (fp32, or bf16 autocast) plus
-``--tol`` for fp32 outputs, ten times that for fp32 gradients, 1e-2 for bf16:
-as close to exact as the plain formula is. Every case that fails (or raises
-where float64 does not) is printed with what rebuilds it; the exit status is
-1 if any did.
+(16-90 for DeiT), a mode (training, in 30 % of cases with gradient
+checkpointing; inference under ``no_grad``, ``inference_mode``, or with
+gradients in eval mode), in 30 % of cases bf16 autocast, in 20 % the model and
+images in channels-last layout, and in 30 % a first call on other images (at
+the same size or another, in any mode) followed by an in-place change of every
+parameter, as an optimiser step or EMA update makes it.
+
+It runs the model as users do (the backend chosen per call: the CPU path, or
+Triton on CUDA) and the same weights through the attention core's reference
+formula in float64 on CPU (the rest of the model in float64 too, contiguous,
+without the first call or checkpointing; on CPU the DWC's add is the same torch
+code in both runs, on CUDA the Triton kernels are checked against it). It
+compares the outputs, those of every attention layer (where an error shows that
+the residual stream would hide) and, where gradients are taken, every gradient
+(input included; relative to its norm plus 1e-3 of the largest, so that the
+rounding of gradients that are zero in exact arithmetic, such as the scale's,
+does not count). A case passes within three times the error of the reference
+formula run in the same precision on the same device (fp32, or bf16 autocast)
+plus ``--tol`` for fp32 outputs, ten times that for fp32 gradients, 1e-2 for
+bf16: as close to exact as the plain formula is; and with no output off by
+more than :data:`OUTPUT_CAP` whatever the reference formula's error, which
+catches faults of code both runs share. Every case that fails (or raises where
+float64 does not) is printed with what rebuilds it; the exit status is 1 if
+any did.
 """
 import argparse
 import copy
@@ -46,7 +50,11 @@ from flatten_mm.models.ops.dispatch import use_backend
 
 FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
 MODES = ('train', 'eval-nograd', 'eval-inference', 'eval-grad')
-Grads = List[Tuple[str, torch.Tensor]]
+Named = List[Tuple[str, torch.Tensor]]
+# the largest output error a case may have whatever the reference formula's own
+# (a fault of code both share, such as a PyTorch kernel): in bf16 the reference
+# formula's worst attention layer of 6,753 random cases was 24 % off float64
+OUTPUT_CAP = {True: 0.5, False: 1e-2}
 
 
 def random_case(rng: random.Random, families=FAMILIES) -> dict:
@@ -98,29 +106,47 @@ def build(case: dict) -> nn.Module:
 
 
 def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str, autocast: bool
-         ) -> Tuple[List[torch.Tensor], Grads]:
-    """Outputs (float64, on CPU) of ``model`` for images ``x`` and, where the
-    mode takes them, the gradients of a fixed linear loss: the input's, then
-    every parameter's by name."""
+         ) -> Tuple[Named, Named]:
+    """Outputs (float64, on CPU) of ``model`` for images ``x``, then those of
+    its attention layers (every module whose class name ends in
+    ``Attention``, the first call of each), and, where the mode takes them,
+    the gradients of a fixed linear loss: the input's, then every
+    parameter's; all by name. A layer's output shows an error the residual
+    stream would hide: at these widths and initial weights an attention layer
+    adds little to it."""
     model.train(mode == 'train')
     x = x.detach().clone().requires_grad_(mode in ('train', 'eval-grad'))
     context = (torch.inference_mode() if mode == 'eval-inference' else
                torch.no_grad() if mode == 'eval-nograd' else torch.enable_grad())
-    with use_backend(backend), context, torch.autocast(x.device.type, torch.bfloat16,
-                                                        autocast):
-        outs = [o.double().cpu() for o in model(x)]
-    grads: Grads = []
+    layers: dict = {}
+
+    def record(name: str):
+        def hook(module, args, out):
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            layers.setdefault(name, out.detach().double().cpu())
+        return hook
+    handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules()
+               if type(m).__name__.endswith('Attention')]
+    try:
+        with use_backend(backend), context, torch.autocast(x.device.type, torch.bfloat16,
+                                                            autocast):
+            outs = list(model(x))
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads: Named = []
     if x.requires_grad:
         sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum()
             for o in outs).backward()
         grads = [('input', x.grad.double().cpu())] + [
             (n, p.grad.double().cpu()) for n, p in model.named_parameters() if p.grad is not None]
-    return outs, grads
+    return ([(f'output {i}', o.detach().double().cpu()) for i, o in enumerate(outs)]
+            + sorted(layers.items()), grads)
 
 
 def run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, dtype: torch.dtype,
         autocast: bool, device: str, warm: Optional[dict] = None
-        ) -> Tuple[List[torch.Tensor], Grads]:
+        ) -> Tuple[Named, Named]:
     """:func:`call` on a copy of ``model`` in ``dtype`` on ``device``. With
     ``warm``, the copy first runs on other images (``warm['images']``, in its
     ``mode`` and ``autocast``), then its parameters change in place by
@@ -144,18 +170,24 @@ def relative(a: torch.Tensor, b: torch.Tensor, floor: float = 0.) -> float:
     return err if math.isfinite(err) else math.inf
 
 
-def errors(got: tuple, ref: tuple) -> Tuple[float, float, str]:
-    """The largest relative error of the outputs, of the gradients (see the
-    module's docstring), and the name of the gradient that has it."""
-    out = max(relative(a, b) for a, b in zip(got[0], ref[0]))
-    if not ref[1]:
-        return out, 0., ''
-    if [n for n, _ in got[1]] != [n for n, _ in ref[1]]:
-        return out, math.inf, 'the set of gradients'
-    floor = 1e-3 * max(g.norm().item() for _, g in ref[1])
-    errs = [relative(a, b, floor) for (_, a), (_, b) in zip(got[1], ref[1])]
+def largest(got: Named, ref: Named, floor: float = 0.) -> Tuple[float, str]:
+    """The largest relative error among tensors named alike, and the name."""
+    if [n for n, _ in got] != [n for n, _ in ref]:
+        return math.inf, 'the set of tensors'
+    errs = [relative(a, b, floor) for (_, a), (_, b) in zip(got, ref)]
     worst = max(range(len(errs)), key=lambda i: errs[i])
-    return out, errs[worst], ref[1][worst][0]
+    return errs[worst], ref[worst][0]
+
+
+def errors(got: tuple, ref: tuple) -> Tuple[float, str, float, str]:
+    """The largest relative error of the outputs (the model's and its
+    attention layers') and of the gradients (see the module's docstring),
+    each with the name of the tensor that has it."""
+    out, out_name = largest(got[0], ref[0])
+    if not ref[1]:
+        return out, out_name, 0., ''
+    return (out, out_name) + largest(got[1], ref[1],
+                                     1e-3 * max(g.norm().item() for _, g in ref[1]))
 
 
 def check_case(case: dict, device: str, tol: float) -> Optional[str]:
@@ -184,13 +216,15 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
                    steps)
     except Exception as e:  # noqa: BLE001  (a failure to report)
         return f'raised {type(e).__name__}: {e}'
-    (out, grad, worst), (base_out, base_grad, _) = errors(got, ref), errors(base, ref)
+    (out, out_name, grad, grad_name), base = errors(got, ref), errors(base, ref)
     slack = (1e-2, 1e-2) if autocast else (tol, 10 * tol)
-    if out <= 3 * base_out + slack[0] and grad <= 3 * base_grad + slack[1]:
+    if out <= min(3 * base[0] + slack[0], OUTPUT_CAP[autocast]) and \
+            grad <= 3 * base[2] + slack[1]:
         return None
-    return (f'{"bf16" if autocast else "fp32"} outputs {out:.2e}, gradients {grad:.2e} '
-            f'({worst}); the reference formula in that precision: {base_out:.2e}, '
-            f'{base_grad:.2e}')
+    grads = f', gradients {grad:.2e} ({grad_name})' if grad_name else ''
+    return (f'{"bf16" if autocast else "fp32"} outputs {out:.2e} ({out_name}){grads}; the '
+            f'reference formula in that precision: {base[0]:.2e}' +
+            (f', {base[2]:.2e}' if grad_name else ''))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
