@@ -210,6 +210,8 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
         return f'the reference formula in float64 raised {type(e).__name__}: {e}'
     if case.get('channels_last'):
         model, x = (t.to(memory_format=torch.channels_last) for t in (model, x))
+        if warm is not None:
+            warm['images'] = warm['images'].contiguous(memory_format=torch.channels_last)
     try:
         got = run(model, x, mode, 'auto', torch.float32, autocast, device, warm)
         base = run(plain, x.contiguous(), mode, 'reference', torch.float32, autocast, device,
