@@ -53,6 +53,7 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {c['family'] for c in cases} == set(fuzz_backbones.FAMILIES)
     assert {c['mode'] for c in cases} == set(fuzz_backbones.MODES)
     assert {c['autocast'] for c in cases} == {True, False}
+    assert {c['half'] for c in cases} == {'bfloat16', 'float16'}
     assert {c['channels_last'] for c in cases} == {True, False}
     assert {c['kwargs']['with_cp'] for c in cases} == {True, False}
     assert {c['kwargs']['with_cp'] for c in cases if c['mode'] != 'train'} == {False}

@@ -10,8 +10,8 @@ attention design, in 30 % a pretraining size of 32-96; 1, 3 or 4 image
 channels, q/k/v biases or none), batch 1-3, an image of 1-90 pixels a side
 (16-90 for DeiT), a mode (training, in 30 % of cases with gradient
 checkpointing; inference under ``no_grad``, ``inference_mode``, or with
-gradients in eval mode), in 30 % of cases bf16 autocast, in 20 % the model and
-images in channels-last layout, and in 30 % a first call on other images (at
+gradients in eval mode), in 30 % of cases bf16 or fp16 autocast, in 20 % the
+model and images in channels-last layout, and in 30 % a first call on other images (at
 the same size or another, in any mode) followed by an in-place change of every
 parameter, as an optimiser step or EMA update makes it.
 
@@ -25,9 +25,9 @@ the residual stream would hide) and, where gradients are taken, every gradient
 (input included; relative to its norm plus 1e-3 of the largest, so that the
 rounding of gradients that are zero in exact arithmetic, such as the scale's,
 does not count). A case passes within three times the error of the reference
-formula run in the same precision on the same device (fp32, or bf16 autocast)
-plus ``--tol`` for fp32 outputs, ten times that for fp32 gradients, 1e-2 for
-bf16: as close to exact as the plain formula is; and with no output off by
+formula run in the same precision on the same device (fp32, or autocast)
+plus ``--tol`` for fp32 outputs, ten times that for fp32 gradients, 1e-2 under
+autocast: as close to exact as the plain formula is; and with no output off by
 more than :data:`OUTPUT_CAP` whatever the reference formula's error, which
 catches faults of code both runs share. Every case that fails (or raises where
 float64 does not) is printed with what rebuilds it; the exit status is 1 if
@@ -52,8 +52,9 @@ FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
 MODES = ('train', 'eval-nograd', 'eval-inference', 'eval-grad')
 Named = List[Tuple[str, torch.Tensor]]
 # the largest output error a case may have whatever the reference formula's own
-# (a fault of code both share, such as a PyTorch kernel): in bf16 the reference
-# formula's worst attention layer of 6,753 random cases was 24 % off float64
+# (a fault of code both share, such as a PyTorch kernel), under autocast and in
+# fp32: in bf16 the reference formula's worst attention layer of 6,753 random
+# cases was 24 % off float64
 OUTPUT_CAP = {True: 0.5, False: 1e-2}
 
 
@@ -94,6 +95,7 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
                                                           rng.randint(low, 90)))
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
                 size=size, mode=mode, autocast=rng.random() < 0.3,
+                half=rng.choice(['bfloat16', 'float16']),
                 channels_last=rng.random() < 0.2, warm=warm)
 
 
@@ -105,8 +107,8 @@ def build(case: dict) -> nn.Module:
     return model
 
 
-def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str, autocast: bool
-         ) -> Tuple[Named, Named]:
+def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str,
+         autocast: Optional[torch.dtype]) -> Tuple[Named, Named]:
     """Outputs (float64, on CPU) of ``model`` for images ``x``, then those of
     its attention layers (every module whose class name ends in
     ``Attention``, the first call of each), and, where the mode takes them,
@@ -128,8 +130,8 @@ def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str, autocast: b
     handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules()
                if type(m).__name__.endswith('Attention')]
     try:
-        with use_backend(backend), context, torch.autocast(x.device.type, torch.bfloat16,
-                                                            autocast):
+        with use_backend(backend), context, torch.autocast(
+                x.device.type, autocast or torch.bfloat16, enabled=autocast is not None):
             outs = list(model(x))
     finally:
         for handle in handles:
@@ -145,7 +147,7 @@ def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str, autocast: b
 
 
 def run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, dtype: torch.dtype,
-        autocast: bool, device: str, warm: Optional[dict] = None
+        autocast: Optional[torch.dtype], device: str, warm: Optional[dict] = None
         ) -> Tuple[Named, Named]:
     """:func:`call` on a copy of ``model`` in ``dtype`` on ``device``. With
     ``warm``, the copy first runs on other images (``warm['images']``, in its
@@ -194,7 +196,8 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     """None if the case passes, else a line saying how it failed."""
     model = build(case)
     x = torch.randn(case['batch'], case['kwargs'].get('in_channels', 3), *case['size'])
-    mode, autocast = case['mode'], case['autocast']
+    half = getattr(torch, case.get('half', 'bfloat16'))
+    mode, autocast = case['mode'], half if case['autocast'] else None
     plain = copy.deepcopy(model)  # the reference runs without checkpointing, contiguous
     plain.with_cp = False
     steps, warm = None, case.get('warm')
@@ -203,9 +206,9 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
                             (p.detach().double().abs().mean() + 1e-3)
                             for n, p in model.named_parameters()})
         warm = dict(steps, images=torch.randn(warm['batch'], x.shape[1], *warm['size']),
-                    mode=warm['mode'], autocast=warm['autocast'])
+                    mode=warm['mode'], autocast=half if warm['autocast'] else None)
     try:
-        ref = run(plain, x, mode, 'reference', torch.float64, False, 'cpu', steps)
+        ref = run(plain, x, mode, 'reference', torch.float64, None, 'cpu', steps)
     except Exception as e:  # noqa: BLE001  (nothing to compare with)
         return f'the reference formula in float64 raised {type(e).__name__}: {e}'
     if case.get('channels_last'):
@@ -220,11 +223,12 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
         return f'raised {type(e).__name__}: {e}'
     (out, out_name, grad, grad_name), base = errors(got, ref), errors(base, ref)
     slack = (1e-2, 1e-2) if autocast else (tol, 10 * tol)
-    if out <= min(3 * base[0] + slack[0], OUTPUT_CAP[autocast]) and \
+    if out <= min(3 * base[0] + slack[0], OUTPUT_CAP[autocast is not None]) and \
             grad <= 3 * base[2] + slack[1]:
         return None
     grads = f', gradients {grad:.2e} ({grad_name})' if grad_name else ''
-    return (f'{"bf16" if autocast else "fp32"} outputs {out:.2e} ({out_name}){grads}; the '
+    precision = {torch.bfloat16: 'bf16', torch.float16: 'fp16', None: 'fp32'}[autocast]
+    return (f'{precision} outputs {out:.2e} ({out_name}){grads}; the '
             f'reference formula in that precision: {base[0]:.2e}' +
             (f', {base[2]:.2e}' if grad_name else ''))
 
