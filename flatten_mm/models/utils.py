@@ -279,8 +279,8 @@ def strided_conv(conv: nn.Module, x: Tensor) -> Tensor:
     5 %; ``Conv2d(16, 32, 7, 4, 3)`` on widths 1-3, 17 of 18. Outputs, with
     channels-last inputs, off by about 100 %: kernel = stride = 4, 8 or 16 on a
     map that wide, for some channel counts under 32 (16 for 8, 4 for 16). None
-    once widened (docs/advanced.md). Not under fx symbolic tracing: a traced
-    graph keeps the plain conv."""
+    once widened (docs/advanced.md; upstream, pytorch/pytorch#169688). Not
+    under fx symbolic tracing: a traced graph keeps the plain conv."""
     if is_fx_symbolic_tracing():  # (its sizes are proxies: the plain conv)
         return conv(x)
     if (x.device.type == 'cpu'
