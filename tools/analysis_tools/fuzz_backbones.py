@@ -147,22 +147,22 @@ def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str,
 
 
 def run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, dtype: torch.dtype,
-        autocast: Optional[torch.dtype], device: str, warm: Optional[dict] = None
-        ) -> Tuple[Named, Named]:
+        autocast: Optional[torch.dtype], device: str, steps: Optional[dict] = None,
+        first: Optional[tuple] = None) -> Tuple[Named, Named]:
     """:func:`call` on a copy of ``model`` in ``dtype`` on ``device``. With
-    ``warm``, the copy first runs on other images (``warm['images']``, in its
-    ``mode`` and ``autocast``), then its parameters change in place by
-    ``warm['steps']`` (as an optimiser or EMA updates them), as in every run
-    of the case: what the first call cached must not leak into the second."""
+    ``first`` (images, mode, autocast), the copy first runs on those images;
+    with ``steps`` (a tensor per parameter name), its parameters then change
+    in place by them, as an optimiser or EMA updates them: what the first call
+    cached must not leak into the second."""
     model = copy.deepcopy(model).to(device, dtype)
-    if warm is not None:
-        if warm.get('images') is not None:
-            call(model, warm['images'].to(device, dtype), warm['mode'], backend,
-                 warm['autocast'])
+    if first is not None:
+        images, first_mode, first_autocast = first
+        call(model, images.to(device, dtype), first_mode, backend, first_autocast)
+    if steps is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.grad = None
-                p.add_(warm['steps'][name].to(p))
+                p.add_(steps[name].to(p))
     return call(model, x.to(device, dtype), mode, backend, autocast)
 
 
@@ -200,23 +200,23 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     mode, autocast = case['mode'], half if case['autocast'] else None
     plain = copy.deepcopy(model)  # the reference runs without checkpointing, contiguous
     plain.with_cp = False
-    steps, warm = None, case.get('warm')
-    if warm is not None:
-        steps = dict(steps={n: 0.1 * torch.randn(p.shape, dtype=torch.float64) *
-                            (p.detach().double().abs().mean() + 1e-3)
-                            for n, p in model.named_parameters()})
-        warm = dict(steps, images=torch.randn(warm['batch'], x.shape[1], *warm['size']),
-                    mode=warm['mode'], autocast=half if warm['autocast'] else None)
+    steps = first = None
+    warm = case.get('warm')
+    if warm is not None:  # new weights for every run; the first call for the user's only
+        steps = {n: 0.1 * torch.randn(p.shape, dtype=torch.float64) *
+                 (p.detach().double().abs().mean() + 1e-3) for n, p in model.named_parameters()}
+        first = (torch.randn(warm['batch'], x.shape[1], *warm['size']), warm['mode'],
+                 half if warm['autocast'] else None)
     try:
         ref = run(plain, x, mode, 'reference', torch.float64, None, 'cpu', steps)
     except Exception as e:  # noqa: BLE001  (nothing to compare with)
         return f'the reference formula in float64 raised {type(e).__name__}: {e}'
     if case.get('channels_last'):
         model, x = (t.to(memory_format=torch.channels_last) for t in (model, x))
-        if warm is not None:
-            warm['images'] = warm['images'].contiguous(memory_format=torch.channels_last)
+        if first is not None:
+            first = (first[0].contiguous(memory_format=torch.channels_last),) + first[1:]
     try:
-        got = run(model, x, mode, 'auto', torch.float32, autocast, device, warm)
+        got = run(model, x, mode, 'auto', torch.float32, autocast, device, steps, first)
         base = run(plain, x.contiguous(), mode, 'reference', torch.float32, autocast, device,
                    steps)
     except Exception as e:  # noqa: BLE001  (a failure to report)
