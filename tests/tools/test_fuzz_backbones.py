@@ -62,6 +62,18 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {c['kwargs']['in_channels'] for c in cases} == {1, 3, 4}
     assert {c['kwargs']['qkv_bias'] for c in cases} == {True, False}
     assert {'pretrain_img_size' in c['kwargs'] for c in cases} == {True, False}
+    assert {c['kwargs'].get('frozen_stages', -1) for c in cases} == {-1, 0, 1, 2, 3, 4}
+    assert {c['kwargs'].get('norm_eval', False) for c in cases} == {True, False}
+    assert {min(c['kwargs'].get('out_indices', [0])) < 0 for c in cases} == {True, False}
+    assert {len(c['kwargs'].get('out_indices', [])) for c in cases} == {0, 1, 2, 3, 4}
+    deit = [c['kwargs'] for c in cases if c['family'] == 'deit']
+    assert {(k['patch_size'], k['with_cls_token'], k['out_type'], k['final_norm'])
+            for k in deit} >= {(8, True, 'cls_token', True), (16, False, 'featmap', False)}
+    assert min(min(c['size']) for c in cases if c['family'] == 'deit') < 16
+    assert {s for c in cases if c['family'] == 'cswin'
+            for s in c['kwargs']['split_size'][:3]} == set(range(1, 8))
+    assert {c['kwargs'].get('mlp_ratio', c['kwargs'].get('mlp_ratios', [1])[0])
+            for c in cases} == {1., 2., 4.}
     for c in cases[:20]:  # every draw builds
         fuzz_backbones.build(c)
 

@@ -4,11 +4,13 @@
     python tools/analysis_tools/fuzz_backbones.py --device cuda --seconds 150 --seed 1
 
 Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
-configuration (attention type per stage, key reduction, windows, DWC kernel
-size, focusing factor, 8, 16 or 24 channels per head; in 30 % of cases another
-attention design, in 30 % a pretraining size of 32-96; 1, 3 or 4 image
-channels, q/k/v biases or none), batch 1-3, an image of 1-90 pixels a side
-(16-90 for DeiT), a mode (training, in 30 % of cases with gradient
+configuration (attention type per stage, key reduction, windows, CSwin's
+stripes, DeiT's patch size, class token, final norm and output type, DWC
+kernel size, focusing factor, MLP ratio, 8, 16 or 24 channels per head; in 50 %
+of cases a subset of the stages returned, in 30 % frozen stages and
+``norm_eval``, in 30 % another attention design, in 30 % a pretraining size of
+32-96; 1, 3 or 4 image channels, q/k/v biases or none), batch 1-3, an image of
+1-90 pixels a side (from the patch size for DeiT), a mode (training, in 30 % of cases with gradient
 checkpointing; inference under ``no_grad``, ``inference_mode``, or with
 gradients in eval mode), in 30 % of cases bf16 or fp16 autocast, in 20 % the
 model and images in channels-last layout, and in 30 % a first call on other images (at
@@ -58,6 +60,43 @@ Named = List[Tuple[str, torch.Tensor]]
 OUTPUT_CAP = {True: 0.5, False: 1e-2}
 
 
+def family_kwargs(rng: random.Random, family: str, width: int) -> dict:
+    """Widths, heads, depths and the family's own options (key reductions,
+    windows, stripes, patches, MLP ratios) of a small ``family`` model with
+    ``width`` channels per head in its first stage."""
+    ratio = rng.choice([1., 2., 4.])
+    if family in ('pvt', 'pvtv2'):
+        return dict(embed_dims=[width, 2 * width, 3 * width, 4 * width], num_heads=[1, 2, 3, 4],
+                    depths=[1, 1, 1, 1], mlp_ratios=[ratio, 2 * ratio, ratio, ratio],
+                    sr_ratios=[rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]),
+                               rng.choice([1, 2]), 1])
+    if family == 'swin':
+        return dict(embed_dims=width, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2],
+                    window_size=rng.choice([3, 4, 7]), linear_window=rng.choice([None, 5, 7]),
+                    mlp_ratio=ratio)
+    if family == 'cswin':
+        return dict(embed_dims=2 * width, num_heads=[2, 2, 4, 4], depths=[1, 1, 1, 1],
+                    split_size=[rng.randint(1, 7) for _ in range(3)] + [7], mlp_ratio=ratio)
+    cls_token = rng.random() < 0.8
+    return dict(embed_dims=2 * width, num_heads=2, depth=3, mlp_ratio=ratio,
+                patch_size=rng.choice([8, 16, 16]), final_norm=rng.random() < 0.5,
+                with_cls_token=cls_token, out_type=rng.choice(
+                    ['featmap', 'featmap', 'cls_token'] if cls_token else ['featmap']))
+
+
+def output_kwargs(rng: random.Random, num_stages: int) -> dict:
+    """The stages returned (all, or a random increasing subset, counted from
+    the first or the last), and in 30 % of cases frozen stages and
+    ``norm_eval``."""
+    kw: dict = {}
+    if rng.random() < 0.5:
+        picked = sorted(rng.sample(range(num_stages), rng.randint(1, num_stages)))
+        kw['out_indices'] = [i - num_stages for i in picked] if rng.random() < 0.3 else picked
+    if rng.random() < 0.3:
+        kw.update(frozen_stages=rng.randint(0, num_stages), norm_eval=rng.random() < 0.5)
+    return kw
+
+
 def random_case(rng: random.Random, families=FAMILIES) -> dict:
     """A case's family, constructor arguments, input shape and layout, mode
     and autocast."""
@@ -65,19 +104,8 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
     kw = dict(kernel_size=rng.choice([0, 3, 5]), focusing_factor=rng.choice([1.5, 2, 3]),
               drop_path_rate=0.)
     stages = ''.join(rng.choice('LS') for _ in range(3 if family == 'deit' else 4))
-    width = rng.choice([8, 16, 24])  # channels per head (of the first stage's heads)
-    if family in ('pvt', 'pvtv2'):
-        kw.update(embed_dims=[width, 2 * width, 3 * width, 4 * width], num_heads=[1, 2, 3, 4],
-                  depths=[1, 1, 1, 1], sr_ratios=[rng.choice([1, 2, 4, 8]),
-                                                  rng.choice([1, 2, 4]), rng.choice([1, 2]), 1])
-    elif family == 'swin':
-        kw.update(embed_dims=width, num_heads=[1, 2, 2, 4], depths=[2, 2, 2, 2],
-                  window_size=rng.choice([3, 4, 7]), linear_window=rng.choice([None, 5, 7]))
-    elif family == 'cswin':
-        kw.update(embed_dims=2 * width, num_heads=[2, 2, 4, 4], depths=[1, 1, 1, 1])
-    else:
-        kw.update(embed_dims=2 * width, num_heads=2, depth=3, final_norm=True,
-                  out_indices=(0, 2))
+    kw.update(family_kwargs(rng, family, width=rng.choice([8, 16, 24])))
+    kw.update(output_kwargs(rng, len(stages)))
     if rng.random() < 0.3:
         kw['attn_design'] = rng.choice(sorted(DESIGNS))
     if rng.random() < 0.3:  # the grid of the positional encodings: resized, or not
@@ -85,7 +113,7 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
     kw.update(in_channels=rng.choice([3, 3, 3, 1, 4]), qkv_bias=rng.random() < 0.8)
     mode = rng.choice(MODES)
     kw['with_cp'] = mode == 'train' and rng.random() < 0.3
-    low = 16 if family == 'deit' else 1
+    low = kw.get('patch_size', 1)
     size = (rng.randint(low, 90), rng.randint(low, 90))
     warm = None
     if rng.random() < 0.3:  # a first call, at this size or another, then new weights
