@@ -149,18 +149,13 @@ class ClassifierMixin:
         mmpretrain checkpoint) through the safe loader
         (``pretrained_cfg_overlay=dict(file=..., custom_load=True)``), adapted
         as timm's own loader adapts weights, which this hook replaces: the
-        first conv to ``in_chans`` (timm's ``adapt_input_conv``) and, for
-        another class count, the head left as initialised. Anything else that
-        does not fit raises, as a strict load."""
-        from timm.models import adapt_input_conv  # only timm calls this hook
+        first conv to ``in_chans`` (by timm's rule, as every load fits it:
+        :func:`~flatten_mm.conversion.fit_input_conv`) and, for another class
+        count, the head left as initialised. Anything else that does not fit
+        raises, as a strict load."""
         sd = classifier_state_dict(load_checkpoint_file(path), self)
         head_left = other_class_count(sd, self)  # then the head keeps its initialisation
         sd = without_head(sd) if head_left else sd
-        first = getattr(self, 'pretrained_cfg', {}).get('first_conv')
-        key = f'{first}.weight'
-        own = self.state_dict().get(key)
-        if own is not None and key in sd and sd[key].shape[1] != own.shape[1]:
-            sd[key] = adapt_input_conv(own.shape[1], sd[key])
         missing, unexpected = self.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not (head_left and k.startswith('head.'))]
         if missing or unexpected:

@@ -89,9 +89,11 @@ class FLattenBackbone(BaseModule):
     family's renaming in :mod:`flatten_mm.conversion`), and the key patterns
     the official classifier has and the backbone does not
     (``ignore_unexpected``) or the backbone has and the classifier does not
-    (``ignore_missing``).
+    (``ignore_missing``), and the name of its conv on the images
+    (``first_conv``, whose weights a load fits to ``in_channels``).
     """
     ignore_unexpected: Sequence[str] = (r'head\.',)
+    first_conv: str = ''
     # tokens before the grid's in every stage (FLatten-DeiT's class token)
     num_prefix_tokens: int = 0
     ignore_missing: Sequence[str] = ()

@@ -234,6 +234,7 @@ class FLattenCSwin(SwinLikeBackbone):
             the first k stages (with their merge blocks). Default: -1.
         norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
     """
+    first_conv = 'stage1_conv_embed.0'
     arch_zoo = {
         'tiny': dict(embed_dims=64, depths=[2, 4, 18, 1], num_heads=[2, 4, 8, 16]),
         'small': dict(embed_dims=64, depths=[2, 4, 32, 2], num_heads=[2, 4, 8, 16]),

@@ -92,6 +92,7 @@ class FLattenPyramid(FLattenBackbone):
     absolute_pos_embed: bool = True  # PVT: a learnt embedding added after each patch embedding
     stage_norm: bool = False  # PVTv2: a LayerNorm ending each stage
     mlp_dwconv: bool = False  # PVTv2: a 3x3 depth-wise conv in each MLP
+    first_conv = 'patch_embed1.proj'
     default_arch: str  # the preset when ``arch`` is not given
 
     def __init__(self,

@@ -152,6 +152,33 @@ def test_detector_backbone_loads_with_fewer_outputs(family, tmp_path):
 
 
 @pytest.mark.parametrize('family', FAMILIES + ('deit', ))
+def test_pretrained_rgb_weights_fit_other_image_channels(family, tmp_path):
+    """Weights learnt on RGB images load into a backbone for 1 or 6 image
+    channels (grey, RGB-D-like stacks), as timm's loader fits them: a grey
+    image gives what the RGB model gives for it in all three channels, and
+    an image of two stacked copies of an RGB one what the RGB model gives for
+    that one. Every other weight loads unchanged. (Before: an error, as for a
+    checkpoint of another architecture.)"""
+    source = small_backbone(family, drop_path_rate=0.).eval()
+    path = tmp_path / 'rgb.pth'
+    torch.save({'model': source.state_dict()}, path)
+    rgb = torch.randn(2, 3, 37, 45)
+    for channels, images, same in ((1, rgb[:, :1], rgb[:, :1].expand(-1, 3, -1, -1)),
+                                   (6, torch.cat([rgb, rgb], 1), rgb)):
+        m = small_backbone(family, in_channels=channels, drop_path_rate=0.,
+                           init_cfg=dict(type='Pretrained', checkpoint=str(path))).eval()
+        first = f'{m.first_conv}.weight'
+        assert m.state_dict()[first].shape[1] == channels
+        for name, value in m.state_dict().items():
+            if name != first:
+                torch.testing.assert_close(value, source.state_dict()[name], rtol=0, atol=0,
+                                           msg=name)
+        with torch.no_grad():
+            for got, want in zip(m(images), source(same), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('family', FAMILIES + ('deit', ))
 def test_frozen_stages_are_deterministic_with_dropout(family):
     """With drop_rate > 0 a frozen stage's output is the same in every training
     step, as in mmdet's Swin (the dropout after the position embedding, in the
