@@ -93,7 +93,7 @@ class FLattenBackbone(BaseModule):
     (``first_conv``, whose weights a load fits to ``in_channels``).
     """
     ignore_unexpected: Sequence[str] = (r'head\.',)
-    first_conv: str = ''
+    first_conv: str = 'patch_embed.proj'
     # tokens before the grid's in every stage (FLatten-DeiT's class token)
     num_prefix_tokens: int = 0
     ignore_missing: Sequence[str] = ()

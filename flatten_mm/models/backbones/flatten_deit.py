@@ -175,7 +175,6 @@ class FLattenDeiT(FLattenBackbone):
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH)``
             loads a checkpoint of our timm classifier (or an mmpretrain one).
     """
-    first_conv = 'patch_embed.proj'
     ignore_unexpected = (r'head\.',)
     arch_zoo = {
         'tiny': dict(embed_dims=192, num_heads=3, depth=12, mlp_ratio=4.),

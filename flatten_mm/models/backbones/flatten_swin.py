@@ -171,7 +171,6 @@ class FLattenSwin(SwinLikeBackbone):
             embedding and the first k stages. Default: -1.
         norm_eval, with_cp, init_cfg: as :class:`FLattenPVT`.
     """
-    first_conv = 'patch_embed.proj'
     arch_zoo = {
         'tiny': dict(embed_dims=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24]),
         'small': dict(embed_dims=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24]),
