@@ -64,6 +64,9 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {'pretrain_img_size' in c['kwargs'] for c in cases} == {True, False}
     assert {c['kwargs'].get('frozen_stages', -1) for c in cases} == {-1, 0, 1, 2, 3, 4}
     assert {c['kwargs'].get('norm_eval', False) for c in cases} == {True, False}
+    assert {c['kwargs']['drop_path_rate'] > 0 for c in cases} == {True, False}
+    assert {c['mode'] for c in cases if c['kwargs']['drop_path_rate'] > 0} == set(
+        fuzz_backbones.MODES) - {'train'}
     assert {min(c['kwargs'].get('out_indices', [0])) < 0 for c in cases} == {True, False}
     assert {len(c['kwargs'].get('out_indices', [])) for c in cases} == {0, 1, 2, 3, 4}
     deit = [c['kwargs'] for c in cases if c['family'] == 'deit']

@@ -10,11 +10,12 @@ kernel size, focusing factor, MLP ratio, 8, 16 or 24 channels per head; in 50 %
 of cases a subset of the stages returned, in 30 % frozen stages and
 ``norm_eval``, in 30 % another attention design, in 30 % a pretraining size of
 32-96; 1, 3 or 4 image channels, q/k/v biases or none), batch 1-3, an image of
-1-90 pixels a side (from the patch size for DeiT), a mode (training, in 30 % of cases with gradient
-checkpointing; inference under ``no_grad``, ``inference_mode``, or with
-gradients in eval mode), in 30 % of cases bf16 or fp16 autocast, in 20 % the
-model and images in channels-last layout, and in 30 % a first call on other images (at
-the same size or another, in any mode) followed by an in-place change of every
+1-90 pixels a side (from the patch size for DeiT), a mode (training, in 30 % of
+cases with gradient checkpointing; inference under ``no_grad``,
+``inference_mode``, or with gradients in eval mode, in 30 % of those with
+dropout and drop-path rates, which it must skip), in 30 % of cases bf16 or fp16
+autocast, in 20 % the model and images in channels-last layout, and in 30 % a
+first call on other images (at the same size or another, in any mode) followed by an in-place change of every
 parameter, as an optimiser step or EMA update makes it.
 
 It runs the model as users do (the backend chosen per call: the CPU path, or
@@ -113,6 +114,9 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
     kw.update(in_channels=rng.choice([3, 3, 3, 1, 4]), qkv_bias=rng.random() < 0.8)
     mode = rng.choice(MODES)
     kw['with_cp'] = mode == 'train' and rng.random() < 0.3
+    if mode != 'train' and rng.random() < 0.3:  # dropouts, which inference must skip
+        kw.update(drop_rate=rng.choice([.1, .5]), drop_path_rate=rng.choice([.1, .5]),
+                  attn_drop_rate=rng.choice([0., .5]) if 'S' in stages else 0.)
     low = kw.get('patch_size', 1)
     size = (rng.randint(low, 90), rng.randint(low, 90))
     warm = None
