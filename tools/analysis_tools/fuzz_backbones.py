@@ -42,6 +42,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -134,7 +135,9 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
 def build(case: dict) -> nn.Module:
     cls = dict(pvt=FLattenPVT, pvtv2=FLattenPVTv2, swin=FLattenSwin, cswin=FLattenCSwin,
                deit=FLattenDeiT)[case['family']]
-    model = cls(**case['kwargs'])
+    with warnings.catch_warnings():  # that L stages skip attn_drop_rate: known
+        warnings.filterwarnings('ignore', 'attn_drop_rate=', UserWarning)
+        model = cls(**case['kwargs'])
     model.init_weights()
     return model
 
