@@ -32,17 +32,17 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
             out = _fn(*args, **kwargs)
             return out * 1.2 if out is not None else out
         monkeypatch.setitem(backends, 'torch', off)
-    rng = random.Random(31)
+    rng = random.Random(89)
     cases = [fuzz_backbones.random_case(rng, ('pvt',)) for _ in range(6)]
     linear = {i for i, c in enumerate(cases) if 'L' in c['kwargs']['attn_type']}
-    fp32 = {i for i in linear if not cases[i]['autocast']
+    fp32 = {i for i in linear if not cases[i]['autocast'] and not cases[i]['pure']
             and cases[i]['kwargs'].get('attn_design', 'focused') == 'focused'}
     assert fp32 and linear < set(range(6))
-    assert fuzz_backbones.main(['--cases', '6', '--seed', '31', '--families', 'pvt']) == 1
+    assert fuzz_backbones.main(['--cases', '6', '--seed', '89', '--families', 'pvt']) == 1
     lines = capsys.readouterr().out.splitlines()
     failed = {int(line.split()[1]) for line in lines[:-1]}
     assert fp32 <= failed <= linear
-    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 31, cpu)'
+    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 89, cpu)'
 
 
 def test_cases_are_drawn_from_every_family_and_mode():
@@ -54,6 +54,7 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {c['mode'] for c in cases} == set(fuzz_backbones.MODES)
     assert {c['autocast'] for c in cases} == {True, False}
     assert {c['half'] for c in cases} == {'bfloat16', 'float16'}
+    assert {c['pure'] for c in cases} == {True, False}
     assert {c['channels_last'] for c in cases} == {True, False}
     assert {c['kwargs']['with_cp'] for c in cases} == {True, False}
     assert {c['kwargs']['with_cp'] for c in cases if c['mode'] != 'train'} == {False}
@@ -70,8 +71,10 @@ def test_cases_are_drawn_from_every_family_and_mode():
     assert {min(c['kwargs'].get('out_indices', [0])) < 0 for c in cases} == {True, False}
     assert {len(c['kwargs'].get('out_indices', [])) for c in cases} == {0, 1, 2, 3, 4}
     deit = [c['kwargs'] for c in cases if c['family'] == 'deit']
-    assert {(k['patch_size'], k['with_cls_token'], k['out_type'], k['final_norm'])
-            for k in deit} >= {(8, True, 'cls_token', True), (16, False, 'featmap', False)}
+    assert {k['patch_size'] for k in deit} == {8, 16}
+    assert {(k['with_cls_token'], k['out_type']) for k in deit} == {
+        (True, 'cls_token'), (True, 'featmap'), (False, 'featmap')}
+    assert {k['final_norm'] for k in deit} == {True, False}
     assert min(min(c['size']) for c in cases if c['family'] == 'deit') < 16
     assert {s for c in cases if c['family'] == 'cswin'
             for s in c['kwargs']['split_size'][:3]} == set(range(1, 8))

@@ -14,7 +14,8 @@ of cases a subset of the stages returned, in 30 % frozen stages and
 cases with gradient checkpointing; inference under ``no_grad``,
 ``inference_mode``, or with gradients in eval mode, in 30 % of those with
 dropout and drop-path rates, which it must skip), in 30 % of cases bf16 or fp16
-autocast, in 20 % the model and images in channels-last layout, and in 30 % a
+autocast, in 10 % a model and images in bf16 or fp16 (``model.half()``, as
+deployed; no autocast), in 20 % the model and images in channels-last layout, and in 30 % a
 first call on other images (at the same size or another, in any mode) followed by an in-place change of every
 parameter, as an optimiser step or EMA update makes it.
 
@@ -28,11 +29,11 @@ the residual stream would hide) and, where gradients are taken, every gradient
 (input included; relative to its norm plus 1e-3 of the largest, so that the
 rounding of gradients that are zero in exact arithmetic, such as the scale's,
 does not count). A case passes within three times the error of the reference
-formula run in the same precision on the same device (fp32, or autocast)
-plus ``--tol`` for fp32 outputs, ten times that for fp32 gradients, 1e-2 under
-autocast: as close to exact as the plain formula is; and with no output off by
-more than :data:`OUTPUT_CAP` whatever the reference formula's error, which
-catches faults of code both runs share. Every case that fails (or raises where
+formula run in the same precision on the same device (fp32, autocast or half
+weights) plus ``--tol`` for fp32 outputs, ten times that for fp32 gradients,
+1e-2 in half precision: as close to exact as the plain formula is; and with
+no output off by more than :data:`OUTPUT_CAP` whatever the reference formula's
+error, which catches faults of code both runs share. Every case that fails (or raises where
 float64 does not) is printed with what rebuilds it; the exit status is 1 if
 any did.
 """
@@ -56,9 +57,9 @@ FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
 MODES = ('train', 'eval-nograd', 'eval-inference', 'eval-grad')
 Named = List[Tuple[str, torch.Tensor]]
 # the largest output error a case may have whatever the reference formula's own
-# (a fault of code both share, such as a PyTorch kernel), under autocast and in
-# fp32: in bf16 the reference formula's worst attention layer of 6,753 random
-# cases was 24 % off float64
+# (a fault of code both share, such as a PyTorch kernel), in half precision
+# (autocast or half weights) and in fp32: in bf16 the reference formula's
+# worst attention layer of 6,753 random cases was 24 % off float64
 OUTPUT_CAP = {True: 0.5, False: 1e-2}
 
 
@@ -128,7 +129,7 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
                                                           rng.randint(low, 90)))
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
                 size=size, mode=mode, autocast=rng.random() < 0.3,
-                half=rng.choice(['bfloat16', 'float16']),
+                half=rng.choice(['bfloat16', 'float16']), pure=rng.random() < 0.1,
                 channels_last=rng.random() < 0.2, warm=warm)
 
 
@@ -232,7 +233,9 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     model = build(case)
     x = torch.randn(case['batch'], case['kwargs'].get('in_channels', 3), *case['size'])
     half = getattr(torch, case.get('half', 'bfloat16'))
-    mode, autocast = case['mode'], half if case['autocast'] else None
+    pure = case.get('pure', False)  # the model and images in half precision, no autocast
+    mode, autocast = case['mode'], half if case['autocast'] and not pure else None
+    dtype = half if pure else torch.float32
     plain = copy.deepcopy(model)  # the reference runs without checkpointing, contiguous
     plain.with_cp = False
     steps = first = None
@@ -251,18 +254,19 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
         if first is not None:
             first = (first[0].contiguous(memory_format=torch.channels_last),) + first[1:]
     try:
-        got = run(model, x, mode, 'auto', torch.float32, autocast, device, steps, first)
-        base = run(plain, x.contiguous(), mode, 'reference', torch.float32, autocast, device,
-                   steps)
+        got = run(model, x, mode, 'auto', dtype, autocast, device, steps, first)
+        base = run(plain, x.contiguous(), mode, 'reference', dtype, autocast, device, steps)
     except Exception as e:  # noqa: BLE001  (a failure to report)
         return f'raised {type(e).__name__}: {e}'
     (out, out_name, grad, grad_name), base = errors(got, ref), errors(base, ref)
-    slack = (1e-2, 1e-2) if autocast else (tol, 10 * tol)
-    if out <= min(3 * base[0] + slack[0], OUTPUT_CAP[autocast is not None]) and \
+    low = autocast is not None or pure
+    slack = (1e-2, 1e-2) if low else (tol, 10 * tol)
+    if out <= min(3 * base[0] + slack[0], OUTPUT_CAP[low]) and \
             grad <= 3 * base[2] + slack[1]:
         return None
     grads = f', gradients {grad:.2e} ({grad_name})' if grad_name else ''
-    precision = {torch.bfloat16: 'bf16', torch.float16: 'fp16', None: 'fp32'}[autocast]
+    precision = {torch.bfloat16: 'bf16', torch.float16: 'fp16', None: 'fp32'}[
+        half if pure else autocast] + (' weights' if pure else '')
     return (f'{precision} outputs {out:.2e} ({out_name}){grads}; the '
             f'reference formula in that precision: {base[0]:.2e}' +
             (f', {base[2]:.2e}' if grad_name else ''))
