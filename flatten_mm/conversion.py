@@ -120,35 +120,39 @@ def fit_bias_table(table: Tensor, layer: WindowSoftmaxAttention) -> Tensor:
     return grid.reshape(own.shape[1], -1).t().to(table.dtype)
 
 
-def fit_input_conv(weight: Tensor, channels: int, key: str) -> Tensor:
-    """A first conv's weight (O, I, k, k) learnt on images of I channels,
-    for images of ``channels``, by timm's rule (``adapt_input_conv``), so the
-    mm path loads as timm does: one channel takes the sum over the I; more
-    take the I in turn, scaled by I / ``channels`` (the response to an image
-    whose channels are alike stays the same); anything else as it is."""
-    if weight.dim() != 4 or weight.shape[1] == channels:
+def fit_input_conv(weight: Tensor, conv: nn.Module, key: str) -> Tensor:
+    """An RGB model's first conv weight (O, 3, k, k) for ``conv``, the model's
+    conv on images of other channels, by timm's rule (``adapt_input_conv``),
+    so the mm path loads as timm's does: one channel takes the sum of the
+    three (a grey image gives what the RGB model gives for it in all three);
+    more take the three in turn, scaled by 3 / channels (for 6, two stacked
+    copies of an RGB image give what the RGB model gives for it). Anything
+    else (another conv's weight, a checkpoint of other image channels) as it
+    is, for the load to report."""
+    own = getattr(conv, 'weight', None)
+    if own is None or weight.dim() != 4 or weight.shape[1] != 3 or own.shape[1] == 3 or \
+            weight.shape[0] != own.shape[0] or weight.shape[2:] != own.shape[2:]:
         return weight
-    have = weight.shape[1]
+    channels = own.shape[1]
     w = weight.float()
     fitted = w.sum(1, keepdim=True) if channels == 1 else \
-        w[:, torch.arange(channels) % have] * (have / channels)
-    print_log(f'{key}: fitted from {have} to {channels} image channels', logger='current')
+        w[:, torch.arange(channels) % 3] * (3 / channels)
+    print_log(f'{key}: fitted from 3 to {channels} image channels', logger='current')
     return fitted.to(weight.dtype)
 
 
 def fit_to_model(state_dict: StateDict, model: nn.Module) -> StateDict:
     """Resize, in place, the tensors of ``state_dict`` that ``model`` holds
-    at another size: its first conv's weight (to the model's image channels,
-    :func:`fit_input_conv`), its absolute position embeddings (the model's
-    ``position_embeddings()``: PVT's, DeiT's), positional encodings of its
-    focused linear attention layers (to their ``pos_grid``) and bias tables of
-    its softmax window attention (to their window; the index buffer is then
-    the model's own)."""
+    at another size: its first conv's weight (an RGB model's, to the model's
+    image channels: :func:`fit_input_conv`), its absolute position
+    embeddings (the model's ``position_embeddings()``: PVT's, DeiT's),
+    positional encodings of its focused linear attention layers (to their
+    ``pos_grid``) and bias tables of its softmax window attention (to their
+    window; the index buffer is then the model's own)."""
     first = getattr(model, 'first_conv', '')
     if first and f'{first}.weight' in state_dict:
         key = f'{first}.weight'
-        state_dict[key] = fit_input_conv(state_dict[key],
-                                         model.get_submodule(first).in_channels, key)
+        state_dict[key] = fit_input_conv(state_dict[key], model.get_submodule(first), key)
     for key, grid, num_prefix in getattr(model, 'position_embeddings', tuple)():
         if key in state_dict:
             state_dict[key] = fit_grid_tokens(state_dict[key], model.get_parameter(key), grid,

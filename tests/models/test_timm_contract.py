@@ -48,6 +48,7 @@ def test_pretrained_cfg_is_complete(name):
     assert cfg['fixed_input_size'] is False
     state = model.state_dict()
     assert f"{cfg['first_conv']}.weight" in state and f"{cfg['classifier']}.weight" in state
+    assert model.first_conv == cfg['first_conv']  # the conv every load fits to in_chans
     assert model.num_features == model.head_hidden_size == model.embed_dims[-1] > 0
     assert [i['reduction'] for i in model.feature_info] == \
         ([16] * 12 if is_deit(name) else [4, 8, 16, 32])

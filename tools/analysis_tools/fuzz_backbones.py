@@ -7,17 +7,18 @@ Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
 configuration (attention type per stage, key reduction, windows, CSwin's
 stripes, DeiT's patch size, class token, final norm and output type, DWC
 kernel size, focusing factor, MLP ratio, 8, 16 or 24 channels per head; in 50 %
-of cases a subset of the stages returned, in 30 % frozen stages and
+of cases the stages returned drawn at random, in 30 % frozen stages and
 ``norm_eval``, in 30 % another attention design, in 30 % a pretraining size of
 32-96; 1, 3 or 4 image channels, q/k/v biases or none), batch 1-3, an image of
 1-90 pixels a side (from the patch size for DeiT), a mode (training, in 30 % of
 cases with gradient checkpointing; inference under ``no_grad``,
 ``inference_mode``, or with gradients in eval mode, in 30 % of those with
 dropout and drop-path rates, which it must skip), in 30 % of cases bf16 or fp16
-autocast, in 10 % a model and images in bf16 or fp16 (``model.half()``, as
-deployed; no autocast), in 20 % the model and images in channels-last layout, and in 30 % a
-first call on other images (at the same size or another, in any mode) followed by an in-place change of every
-parameter, as an optimiser step or EMA update makes it.
+autocast, in 10 % instead a model and images in bf16 or fp16 (``.half()`` or
+``.bfloat16()``, as deployed), in 20 % the model and images in channels-last
+layout, and in 30 % a first call on other images (at the same size or
+another, in any mode) followed by an in-place change of every parameter, as an
+optimiser step or EMA update makes it.
 
 It runs the model as users do (the backend chosen per call: the CPU path, or
 Triton on CUDA) and the same weights through the attention core's reference

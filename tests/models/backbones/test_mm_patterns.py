@@ -154,7 +154,7 @@ def test_detector_backbone_loads_with_fewer_outputs(family, tmp_path):
 @pytest.mark.parametrize('family', FAMILIES + ('deit', ))
 def test_pretrained_rgb_weights_fit_other_image_channels(family, tmp_path):
     """Weights learnt on RGB images load into a backbone for 1 or 6 image
-    channels (grey, RGB-D-like stacks), as timm's loader fits them: a grey
+    channels (grey images, stereo pairs), as timm's loader fits them: a grey
     image gives what the RGB model gives for it in all three channels, and
     an image of two stacked copies of an RGB one what the RGB model gives for
     that one. Every other weight loads unchanged. (Before: an error, as for a
