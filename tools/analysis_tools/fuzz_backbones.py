@@ -16,9 +16,10 @@ cases with gradient checkpointing; inference under ``no_grad``,
 dropout and drop-path rates, which it must skip), in 30 % of cases bf16 or fp16
 autocast, in 10 % instead a model and images in bf16 or fp16 (``.half()`` or
 ``.bfloat16()``, as deployed), in 20 % the model and images in channels-last
-layout, and in 30 % a first call on other images (at the same size or
-another, in any mode) followed by an in-place change of every parameter, as an
-optimiser step or EMA update makes it.
+layout (else in 15 % images with rows and columns swapped in memory), and in
+30 % a first call on other images (at the same size or another, in any mode)
+followed by an in-place change of every parameter, as an optimiser step or EMA
+update makes it.
 
 It runs the model as users do (the backend chosen per call: the CPU path, or
 Triton on CUDA) and the same weights through the attention core's reference
@@ -131,7 +132,7 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
                 size=size, mode=mode, autocast=rng.random() < 0.3,
                 half=rng.choice(['bfloat16', 'float16']), pure=rng.random() < 0.1,
-                channels_last=rng.random() < 0.2, warm=warm)
+                channels_last=rng.random() < 0.2, transposed=rng.random() < 0.15, warm=warm)
 
 
 def build(case: dict) -> nn.Module:
@@ -229,6 +230,17 @@ def errors(got: tuple, ref: tuple) -> Tuple[float, str, float, str]:
                                      1e-3 * max(g.norm().item() for _, g in ref[1]))
 
 
+def in_layout(case: dict, images: torch.Tensor) -> torch.Tensor:
+    """``images`` as the case lays them out in memory: channels-last, or
+    with rows and columns swapped (dense, not contiguous: what a pipeline
+    that transposes images leaves), or contiguous."""
+    if case.get('channels_last'):
+        return images.contiguous(memory_format=torch.channels_last)
+    if case.get('transposed'):
+        return images.transpose(2, 3).contiguous().transpose(2, 3)
+    return images
+
+
 def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     """None if the case passes, else a line saying how it failed."""
     model = build(case)
@@ -251,9 +263,10 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     except Exception as e:  # noqa: BLE001  (nothing to compare with)
         return f'the reference formula in float64 raised {type(e).__name__}: {e}'
     if case.get('channels_last'):
-        model, x = (t.to(memory_format=torch.channels_last) for t in (model, x))
-        if first is not None:
-            first = (first[0].contiguous(memory_format=torch.channels_last),) + first[1:]
+        model = model.to(memory_format=torch.channels_last)
+    x = in_layout(case, x)
+    if first is not None:
+        first = (in_layout(case, first[0]),) + first[1:]
     try:
         got = run(model, x, mode, 'auto', dtype, autocast, device, steps, first)
         base = run(plain, x.contiguous(), mode, 'reference', dtype, autocast, device, steps)
