@@ -16,6 +16,18 @@ def test_random_cases_pass(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == '6 cases, 0 failed (seed 3, cpu)'
 
 
+def cpu_path_off(monkeypatch) -> None:
+    """Every op's CPU backend (``torch``) returns its results 20 % off."""
+    from flatten_mm.models.ops import dispatch
+    for backends in dispatch._BACKENDS.values():
+        fn = backends['torch']
+
+        def off(*args, _fn=fn, **kwargs):
+            out = _fn(*args, **kwargs)
+            return out * 1.2 if out is not None else out
+        monkeypatch.setitem(backends, 'torch', off)
+
+
 def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
     """The CPU backends' results 20 % off: every fp32 case with focused
     linear (L) stages in the paper's design fails, no case with softmax stages
@@ -24,14 +36,7 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
     and 20 % there moved the outputs of two bf16 cases by 0.2-0.6 %, bf16's
     rounding by 0.7-2 %.)"""
     import random
-    from flatten_mm.models.ops import dispatch
-    for op, backends in dispatch._BACKENDS.items():
-        fn = backends['torch']
-
-        def off(*args, _fn=fn, **kwargs):
-            out = _fn(*args, **kwargs)
-            return out * 1.2 if out is not None else out
-        monkeypatch.setitem(backends, 'torch', off)
+    cpu_path_off(monkeypatch)
 
     def kinds(seed):
         """The cases with L stages, and those of them in fp32 with FLatten's design."""
@@ -49,6 +54,23 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
     failed = {int(line.split()[1]) for line in lines[:-1]}
     assert fp32 <= failed <= linear
     assert lines[-1] == f'6 cases, {len(failed)} failed (seed {seed}, cpu)'
+
+
+@pytest.mark.parametrize('wrong', [False, True])
+def test_one_released_architecture(monkeypatch, capsys, wrong):
+    """``--arch``: FLatten-PVT-T as released (here at 32x48), trained in
+    fp32, passes; with the CPU path 20 % off it fails."""
+    if wrong:
+        cpu_path_off(monkeypatch)
+    argv = ['--arch', 'pvt:tiny', '--size', '32x48', '--precision', 'fp32']
+    assert fuzz_backbones.main(argv) == int(wrong)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith('pvt:tiny 32x48 train fp32: ')
+    assert line.endswith('passed (cpu)') != wrong, line
+    for bad, message in ((['--arch', 'vit:tiny'], '--arch must be FAMILY:ARCH'),
+                         (['--arch', 'pvt:tiny', '--size', '64'], '--size must be HxW')):
+        with pytest.raises(SystemExit, match=message):
+            fuzz_backbones.main(bad)
 
 
 def test_cases_are_drawn_from_every_family_and_mode():

@@ -2,6 +2,7 @@
 
     python tools/analysis_tools/fuzz_backbones.py --seconds 300 --seed 1
     python tools/analysis_tools/fuzz_backbones.py --device cuda --seconds 150 --seed 1
+    python tools/analysis_tools/fuzz_backbones.py --arch swin:tiny --size 800x1333
 
 Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
 configuration (attention type per stage, key reduction, windows, CSwin's
@@ -20,6 +21,10 @@ layout (else in 15 % images with rows and columns swapped in memory), and in
 30 % a first call on other images (at the same size or another, in any mode)
 followed by an in-place change of every parameter, as an optimiser step or EMA
 update makes it.
+
+With ``--arch`` it checks one released architecture instead (its defaults,
+batch 1, at ``--size``, 800x1333 unless given, in ``--mode`` and
+``--precision``), in the same way.
 
 It runs the model as users do (the backend chosen per call: the CPU path, or
 Triton on CUDA) and the same weights through the attention core's reference
@@ -57,6 +62,7 @@ from flatten_mm.models.ops.dispatch import use_backend
 
 FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
 MODES = ('train', 'eval-nograd', 'eval-inference', 'eval-grad')
+PRECISIONS = ('fp32', 'bf16', 'fp16', 'bf16-weights', 'fp16-weights')
 Named = List[Tuple[str, torch.Tensor]]
 # the largest output error a case may have whatever the reference formula's own
 # (a fault of code both share, such as a PyTorch kernel), in half precision
@@ -295,13 +301,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--families', nargs='+', choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument('--tol', type=float, default=1e-4,
                         help='fp32 outputs\' slack; ten times this for gradients (default 1e-4)')
+    one = parser.add_argument_group('one released architecture instead of random cases')
+    one.add_argument('--arch', help='FAMILY:ARCH, e.g. swin:tiny, pvtv2:b0')
+    one.add_argument('--size', default='800x1333', help='HxW (default 800x1333)')
+    one.add_argument('--mode', choices=MODES, default='train')
+    one.add_argument('--precision', choices=PRECISIONS, default='bf16',
+                     help='bf16, fp16: autocast; -weights: the model in it (default bf16)')
     return parser.parse_args(argv)
+
+
+def arch_case(args: argparse.Namespace) -> dict:
+    """The case of ``--arch``: a released architecture (its defaults, no
+    drop path), batch 1, at ``--size`` in ``--mode`` and ``--precision``."""
+    family, _, arch = args.arch.partition(':')
+    if family not in FAMILIES or not arch:
+        raise SystemExit(f'--arch must be FAMILY:ARCH with FAMILY one of {FAMILIES}, '
+                         f'got {args.arch!r}')
+    try:
+        size = tuple(int(v) for v in args.size.split('x'))
+    except ValueError:
+        size = ()
+    if len(size) != 2 or min(size) < 1:
+        raise SystemExit(f'--size must be HxW, e.g. 800x1333, got {args.size!r}')
+    half = 'float16' if args.precision.startswith('fp16') else 'bfloat16'
+    return dict(family=family, kwargs=dict(arch=arch, drop_path_rate=0.), batch=1, size=size,
+                mode=args.mode, autocast=args.precision in ('bf16', 'fp16'), half=half,
+                pure=args.precision.endswith('-weights'), channels_last=False, warm=None)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.startswith('cuda'):  # exact fp32 products, as the reference's
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if args.arch:
+        torch.manual_seed(args.seed)
+        case = arch_case(args)
+        problem = check_case(case, args.device, args.tol)
+        print(f'{args.arch} {args.size} {args.mode} {args.precision}: '
+              f'{problem or "passed"} ({args.device})')
+        return 1 if problem else 0
     rng, torch_seed = random.Random(args.seed), args.seed
     start, done, failed = time.perf_counter(), 0, 0
     while time.perf_counter() - start < args.seconds and (args.cases is None
