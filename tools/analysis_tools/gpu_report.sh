@@ -88,7 +88,7 @@ settings() {
   else
     SIZE=800x1333 SIZE2=800x1216 BATCH=8 CORE_BATCH=16 ITERS=8 WARMUP=3 TIMM_BATCH=64
     CASES=(200x334x96x3 100x167x192x6) THREADS=() COMPILED=("${PAIRS[@]}")
-    TILINGS=('' warps=4,bwd_block=32 block=64,bwd_block=32 per_sm=8 warps=8) FUZZ_SECONDS=150
+    TILINGS=('' warps=4,bwd_block=32 block=64,bwd_block=32 per_sm=8 warps=8) FUZZ_SECONDS=120
   fi
 }
 
@@ -126,8 +126,15 @@ part_tests() {  # the CUDA tests (they skip without CUDA) and the Triton kernels
     --junitxml "$OUT/tests.xml")
 }
 
-part_fuzz() {  # random backbones, sizes and modes on this device against float64 on the CPU
-  "$PY" "$TOOLS/fuzz_backbones.py" --device "$DEV" --seconds "$FUZZ_SECONDS" --seed 1
+part_fuzz() {  # random backbones, sizes and modes on this device against float64 on the CPU;
+  # then FLatten-Swin-T and -PVT-T trained at the benchmarks' size (bf16 autocast, fp32)
+  local rc=0
+  "$PY" "$TOOLS/fuzz_backbones.py" --device "$DEV" --seconds "$FUZZ_SECONDS" --seed 1 || rc=1
+  "$PY" "$TOOLS/fuzz_backbones.py" --device "$DEV" --arch swin:tiny --size "$SIZE" \
+    --precision bf16 || rc=1
+  "$PY" "$TOOLS/fuzz_backbones.py" --device "$DEV" --arch pvt:tiny --size "$SIZE" \
+    --precision fp32 || rc=1
+  return $rc
 }
 
 part_core() {  # the core against the reference; the fused DWC against cuDNN's conv; the
