@@ -37,11 +37,11 @@ REDUCED_KEYS = dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=
                     attn_type='LLLL', sr_ratios=[4, 2, 1, 1])
 
 
-def backbone(kind):
+def backbone(kind, **overrides):
     if kind == 'pvt-reduced-keys':
         return FLattenPVT(**REDUCED_KEYS, drop_path_rate=0.)
     cls, kw = BACKBONES[kind]
-    return cls(**kw, drop_path_rate=0.)
+    return cls(**dict(kw, **overrides), drop_path_rate=0.)
 
 
 @pytest.mark.parametrize('name', sorted(SMALL))
@@ -90,9 +90,9 @@ def test_fx_traces_dense_backbones(kind):
 def test_compiled_training_step_equals_eager(kind, backend):
     """torch.compile(fullgraph=True) captures forward and backward without a
     graph break; losses and gradients equal eager to 1e-4 relative."""
-    model = backbone(kind).train()
-    if backend == 'inductor':  # its C++ builds take 10 s a stage: an L and an S stage only
-        model = FLattenPVT(**dict(BACKBONES['pvt'][1], attn_type='LSLL'), drop_path_rate=0.)
+    # inductor's C++ builds take 10 s a stage: an L and an S stage only
+    model = backbone(kind, **({'attn_type': 'LSLL'} if backend == 'inductor' else {})).train()
+    if backend == 'inductor':
         model.prune_stages(2)
     x = torch.randn(2, 3, 64, 96)
     want, want_grads = loss_and_grads(model, x)

@@ -47,6 +47,7 @@ any did.
 import argparse
 import copy
 import math
+import os
 import random
 import sys
 import time
@@ -59,6 +60,9 @@ from torch import nn
 from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
 from flatten_mm.models.designs import DESIGNS
 from flatten_mm.models.ops.dispatch import use_backend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_backbone import parse_size  # noqa: E402
 
 FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
 MODES = ('train', 'eval-nograd', 'eval-inference', 'eval-grad')
@@ -302,30 +306,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--tol', type=float, default=1e-4,
                         help='fp32 outputs\' slack; ten times this for gradients (default 1e-4)')
     one = parser.add_argument_group('one released architecture instead of random cases')
-    one.add_argument('--arch', help='FAMILY:ARCH, e.g. swin:tiny, pvtv2:b0')
-    one.add_argument('--size', default='800x1333', help='HxW (default 800x1333)')
+    one.add_argument('--arch', type=parse_arch, help='FAMILY:ARCH, e.g. swin:tiny, pvtv2:b0')
+    one.add_argument('--size', type=parse_size, default=[800, 1333],
+                     help='HxW (default 800x1333)')
     one.add_argument('--mode', choices=MODES, default='train')
     one.add_argument('--precision', choices=PRECISIONS, default='bf16',
                      help='bf16, fp16: autocast; -weights: the model in it (default bf16)')
     return parser.parse_args(argv)
 
 
+def parse_arch(text: str) -> Tuple[str, str]:
+    family, _, arch = text.partition(':')
+    if family not in FAMILIES or not arch:
+        raise argparse.ArgumentTypeError(f'FAMILY:ARCH with FAMILY one of {FAMILIES}, e.g. '
+                                         f'swin:tiny, got {text!r}')
+    return family, arch
+
+
 def arch_case(args: argparse.Namespace) -> dict:
     """The case of ``--arch``: a released architecture (its defaults, no
     drop path), batch 1, at ``--size`` in ``--mode`` and ``--precision``."""
-    family, _, arch = args.arch.partition(':')
-    if family not in FAMILIES or not arch:
-        raise SystemExit(f'--arch must be FAMILY:ARCH with FAMILY one of {FAMILIES}, '
-                         f'got {args.arch!r}')
-    try:
-        size = tuple(int(v) for v in args.size.split('x'))
-    except ValueError:
-        size = ()
-    if len(size) != 2 or min(size) < 1:
-        raise SystemExit(f'--size must be HxW, e.g. 800x1333, got {args.size!r}')
+    family, arch = args.arch
     half = 'float16' if args.precision.startswith('fp16') else 'bfloat16'
-    return dict(family=family, kwargs=dict(arch=arch, drop_path_rate=0.), batch=1, size=size,
-                mode=args.mode, autocast=args.precision in ('bf16', 'fp16'), half=half,
+    return dict(family=family, kwargs=dict(arch=arch, drop_path_rate=0.), batch=1,
+                size=tuple(args.size), mode=args.mode,
+                autocast=args.precision in ('bf16', 'fp16'), half=half,
                 pure=args.precision.endswith('-weights'), channels_last=False, warm=None)
 
 
@@ -337,8 +342,8 @@ def main(argv=None) -> int:
         torch.manual_seed(args.seed)
         case = arch_case(args)
         problem = check_case(case, args.device, args.tol)
-        print(f'{args.arch} {args.size} {args.mode} {args.precision}: '
-              f'{problem or "passed"} ({args.device})')
+        print(f'{":".join(args.arch)} {"x".join(map(str, args.size))} {args.mode} '
+              f'{args.precision}: {problem or "passed"} ({args.device})')
         return 1 if problem else 0
     rng, torch_seed = random.Random(args.seed), args.seed
     start, done, failed = time.perf_counter(), 0, 0
