@@ -43,7 +43,7 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
         rng = random.Random(seed)
         cases = [fuzz_backbones.random_case(rng, ('pvt',)) for _ in range(6)]
         linear = {i for i, c in enumerate(cases) if 'L' in c['kwargs']['attn_type']}
-        return linear, {i for i in linear if not cases[i]['autocast'] and not cases[i]['pure']
+        return linear, {i for i in linear if cases[i]['precision'] == 'fp32'
                         and cases[i]['kwargs'].get('attn_design', 'focused') == 'focused'}
     # the first seed from 89 that draws fp32 cases with L stages and a case
     # without (which seed does changes as the tool draws more)
@@ -79,12 +79,14 @@ def test_cases_are_drawn_from_every_family_and_mode():
     import random
     from flatten_mm.models.designs import DESIGNS
     rng = random.Random(0)
-    cases = [fuzz_backbones.random_case(rng) for _ in range(200)]
+    cases = [fuzz_backbones.random_case(rng) for _ in range(300)]
     assert {c['family'] for c in cases} == set(fuzz_backbones.FAMILIES)
     assert {c['mode'] for c in cases} == set(fuzz_backbones.MODES)
-    assert {c['autocast'] for c in cases} == {True, False}
-    assert {c['half'] for c in cases} == {'bfloat16', 'float16'}
-    assert {c['pure'] for c in cases} == {True, False}
+    assert {c['precision'] for c in cases} == set(fuzz_backbones.PRECISIONS)
+    assert {c['warm']['precision'] for c in cases if c['warm']} == {'fp32', 'bf16', 'fp16'}
+    half_models = [c for c in cases if c['warm'] and c['precision'].endswith('-weights')]
+    assert half_models and all(  # a model in half precision: its own autocast only
+        c['warm']['precision'] in ('fp32', c['precision'][:4]) for c in half_models)
     assert {c['channels_last'] for c in cases} == {True, False}
     assert {c['transposed'] for c in cases if not c['channels_last']} == {True, False}
     assert {c['kwargs']['with_cp'] for c in cases} == {True, False}
@@ -142,7 +144,8 @@ def test_a_fault_of_shared_code_is_caught(monkeypatch, autocast):
         out = plain(conv, x)
         return out.flip(1) if torch.is_autocast_enabled('cpu') else out
     monkeypatch.setattr(utils, 'strided_conv', reversed_in_bf16)
-    case = dict(family='pvt', batch=2, size=(40, 24), mode='eval-nograd', autocast=autocast,
+    case = dict(family='pvt', batch=2, size=(40, 24), mode='eval-nograd',
+                precision='bf16' if autocast else 'fp32',
                 channels_last=False, warm=None, kwargs=dict(
                     embed_dims=[16, 32, 48, 64], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
                     sr_ratios=[8, 4, 2, 1], attn_type='SSSS', drop_path_rate=0.))
@@ -167,7 +170,7 @@ def test_a_cache_that_outlives_new_weights_is_caught(monkeypatch, stale):
             return utils.size_cached(module, ('by key only', key), make)
         for module in (resize, layers):
             monkeypatch.setattr(module, 'param_cached', by_key_only)
-    nograd = dict(batch=1, size=(40, 40), mode='eval-nograd', autocast=False)
+    nograd = dict(batch=1, size=(40, 40), mode='eval-nograd', precision='fp32')
     case = dict(nograd, family='pvt', channels_last=False, warm=nograd, kwargs=dict(
         embed_dims=[8, 16, 24, 32], num_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
         attn_type='LLLL', drop_path_rate=0.))

@@ -18,8 +18,8 @@ dropout and drop-path rates, which it must skip), in 30 % of cases bf16 or fp16
 autocast, in 10 % instead a model and images in bf16 or fp16 (``.half()`` or
 ``.bfloat16()``, as deployed), in 20 % the model and images in channels-last
 layout (else in 15 % images with rows and columns swapped in memory), and in
-30 % a first call on other images (at the same size or another, in any mode)
-followed by an in-place change of every parameter, as an optimiser step or EMA
+30 % a first call on other images (at the same size or another, in any mode,
+under autocast or not) followed by an in-place change of every parameter, as an optimiser step or EMA
 update makes it.
 
 With ``--arch`` it checks one released architecture instead (its defaults,
@@ -66,6 +66,8 @@ from benchmark_backbone import parse_size  # noqa: E402
 
 FAMILIES = ('pvt', 'pvtv2', 'swin', 'cswin', 'deit')
 MODES = ('train', 'eval-nograd', 'eval-inference', 'eval-grad')
+# bf16, fp16: the model in fp32 under autocast; -weights: the model and images
+# in it, without autocast (``.bfloat16()`` / ``.half()``, as deployed)
 PRECISIONS = ('fp32', 'bf16', 'fp16', 'bf16-weights', 'fp16-weights')
 Named = List[Tuple[str, torch.Tensor]]
 # the largest output error a case may have whatever the reference formula's own
@@ -112,9 +114,18 @@ def output_kwargs(rng: random.Random, num_stages: int) -> dict:
     return kw
 
 
+def precision_dtypes(precision: str) -> Tuple[torch.dtype, Optional[torch.dtype]]:
+    """The dtype of the model and images, and autocast's (None: off), of one
+    of :data:`PRECISIONS`."""
+    half = torch.float16 if precision.startswith('fp16') else torch.bfloat16
+    if precision.endswith('-weights'):
+        return half, None
+    return torch.float32, None if precision == 'fp32' else half
+
+
 def random_case(rng: random.Random, families=FAMILIES) -> dict:
     """A case's family, constructor arguments, input shape and layout, mode
-    and autocast."""
+    and precision."""
     family = rng.choice(families)
     kw = dict(kernel_size=rng.choice([0, 3, 5]), focusing_factor=rng.choice([1.5, 2, 3]),
               drop_path_rate=0.)
@@ -133,16 +144,19 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
                   attn_drop_rate=rng.choice([0., .5]) if 'S' in stages else 0.)
     low = kw.get('patch_size', 1)
     size = (rng.randint(low, 90), rng.randint(low, 90))
+    precision = rng.choices(PRECISIONS, weights=(12, 3, 3, 1, 1))[0]
     warm = None
     if rng.random() < 0.3:  # a first call, at this size or another, then new weights
+        # (under autocast or not; a model in half precision, in its own only)
+        dtype = precision_dtypes(precision)[0]
+        autocasts = ('bf16', 'fp16') if dtype == torch.float32 else (precision[:4], )
         warm = dict(batch=rng.choice([1, 2, 3]), mode=rng.choice(MODES),
-                    autocast=rng.random() < 0.3,
+                    precision=rng.choice(('fp32', 'fp32') + autocasts),
                     size=size if rng.random() < 0.5 else (rng.randint(low, 90),
                                                           rng.randint(low, 90)))
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
-                size=size, mode=mode, autocast=rng.random() < 0.3,
-                half=rng.choice(['bfloat16', 'float16']), pure=rng.random() < 0.1,
-                channels_last=rng.random() < 0.2, transposed=rng.random() < 0.15, warm=warm)
+                size=size, mode=mode, precision=precision, channels_last=rng.random() < 0.2,
+                transposed=rng.random() < 0.15, warm=warm)
 
 
 def build(case: dict) -> nn.Module:
@@ -255,10 +269,7 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     """None if the case passes, else a line saying how it failed."""
     model = build(case)
     x = torch.randn(case['batch'], case['kwargs'].get('in_channels', 3), *case['size'])
-    half = getattr(torch, case.get('half', 'bfloat16'))
-    pure = case.get('pure', False)  # the model and images in half precision, no autocast
-    mode, autocast = case['mode'], half if case['autocast'] and not pure else None
-    dtype = half if pure else torch.float32
+    mode, (dtype, autocast) = case['mode'], precision_dtypes(case['precision'])
     plain = copy.deepcopy(model)  # the reference runs without checkpointing, contiguous
     plain.with_cp = False
     steps = first = None
@@ -267,7 +278,7 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
         steps = {n: 0.1 * torch.randn(p.shape, dtype=torch.float64) *
                  (p.detach().double().abs().mean() + 1e-3) for n, p in model.named_parameters()}
         first = (torch.randn(warm['batch'], x.shape[1], *warm['size']), warm['mode'],
-                 half if warm['autocast'] else None)
+                 precision_dtypes(warm['precision'])[1])
     try:
         ref = run(plain, x, mode, 'reference', torch.float64, None, 'cpu', steps)
     except Exception as e:  # noqa: BLE001  (nothing to compare with)
@@ -283,15 +294,13 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     except Exception as e:  # noqa: BLE001  (a failure to report)
         return f'raised {type(e).__name__}: {e}'
     (out, out_name, grad, grad_name), base = errors(got, ref), errors(base, ref)
-    low = autocast is not None or pure
+    low = case['precision'] != 'fp32'
     slack = (1e-2, 1e-2) if low else (tol, 10 * tol)
     if out <= min(3 * base[0] + slack[0], OUTPUT_CAP[low]) and \
             grad <= 3 * base[2] + slack[1]:
         return None
     grads = f', gradients {grad:.2e} ({grad_name})' if grad_name else ''
-    precision = {torch.bfloat16: 'bf16', torch.float16: 'fp16', None: 'fp32'}[
-        half if pure else autocast] + (' weights' if pure else '')
-    return (f'{precision} outputs {out:.2e} ({out_name}){grads}; the '
+    return (f'{case["precision"]} outputs {out:.2e} ({out_name}){grads}; the '
             f'reference formula in that precision: {base[0]:.2e}' +
             (f', {base[2]:.2e}' if grad_name else ''))
 
@@ -311,7 +320,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help='HxW (default 800x1333)')
     one.add_argument('--mode', choices=MODES, default='train')
     one.add_argument('--precision', choices=PRECISIONS, default='bf16',
-                     help='bf16, fp16: autocast; -weights: the model in it (default bf16)')
+                     help='bf16, fp16: autocast; -weights: the model in it, without '
+                     '(default bf16)')
     return parser.parse_args(argv)
 
 
@@ -327,11 +337,9 @@ def arch_case(args: argparse.Namespace) -> dict:
     """The case of ``--arch``: a released architecture (its defaults, no
     drop path), batch 1, at ``--size`` in ``--mode`` and ``--precision``."""
     family, arch = args.arch
-    half = 'float16' if args.precision.startswith('fp16') else 'bfloat16'
     return dict(family=family, kwargs=dict(arch=arch, drop_path_rate=0.), batch=1,
-                size=tuple(args.size), mode=args.mode,
-                autocast=args.precision in ('bf16', 'fp16'), half=half,
-                pure=args.precision.endswith('-weights'), channels_last=False, warm=None)
+                size=tuple(args.size), mode=args.mode, precision=args.precision,
+                channels_last=False, warm=None)
 
 
 def main(argv=None) -> int:
