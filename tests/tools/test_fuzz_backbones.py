@@ -4,6 +4,7 @@ import os.path as osp
 import sys
 
 import pytest
+import torch
 
 from demo_runs import ROOT
 
@@ -16,16 +17,27 @@ def test_random_cases_pass(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == '6 cases, 0 failed (seed 3, cpu)'
 
 
-def cpu_path_off(monkeypatch) -> None:
-    """Every op's CPU backend (``torch``) returns its results 20 % off."""
+def path_off(monkeypatch, backend: str = 'torch') -> None:
+    """Every op's ``backend`` (``torch``: the CPU path) returns its results 20 % off."""
     from flatten_mm.models.ops import dispatch
     for backends in dispatch._BACKENDS.values():
-        fn = backends['torch']
+        fn = backends[backend]
 
         def off(*args, _fn=fn, **kwargs):
             out = _fn(*args, **kwargs)
             return out * 1.2 if out is not None else out
-        monkeypatch.setitem(backends, 'torch', off)
+        monkeypatch.setitem(backends, backend, off)
+
+
+def linear_cases(seed: int, families=fuzz_backbones.FAMILIES, cases: int = 6) -> tuple:
+    """Of the first ``cases`` cases ``seed`` draws, those with focused linear
+    (L) stages, and those of them in fp32 with FLatten's design."""
+    import random
+    rng = random.Random(seed)
+    drawn = [fuzz_backbones.random_case(rng, families) for _ in range(cases)]
+    linear = {i for i, c in enumerate(drawn) if 'L' in c['kwargs']['attn_type']}
+    return linear, {i for i in linear if drawn[i]['precision'] == 'fp32'
+                    and drawn[i]['kwargs'].get('attn_design', 'focused') == 'focused'}
 
 
 def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
@@ -35,19 +47,11 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
     own: at these widths the attention adds little to the residual stream,
     and 20 % there moved the outputs of two bf16 cases by 0.2-0.6 %, bf16's
     rounding by 0.7-2 %.)"""
-    import random
-    cpu_path_off(monkeypatch)
-
-    def kinds(seed):
-        """The cases with L stages, and those of them in fp32 with FLatten's design."""
-        rng = random.Random(seed)
-        cases = [fuzz_backbones.random_case(rng, ('pvt',)) for _ in range(6)]
-        linear = {i for i, c in enumerate(cases) if 'L' in c['kwargs']['attn_type']}
-        return linear, {i for i in linear if cases[i]['precision'] == 'fp32'
-                        and cases[i]['kwargs'].get('attn_design', 'focused') == 'focused'}
+    path_off(monkeypatch)
     # the first seed from 89 that draws fp32 cases with L stages and a case
     # without (which seed does changes as the tool draws more)
-    seed, (linear, fp32) = next((s, k) for s in range(89, 189) for k in [kinds(s)]
+    seed, (linear, fp32) = next((s, k) for s in range(89, 189)
+                                for k in [linear_cases(s, ('pvt', ))]
                                 if k[1] and k[0] < set(range(6)))
     assert fuzz_backbones.main(['--cases', '6', '--seed', str(seed), '--families', 'pvt']) == 1
     lines = capsys.readouterr().out.splitlines()
@@ -61,7 +65,7 @@ def test_one_released_architecture(monkeypatch, capsys, wrong):
     """``--arch``: FLatten-PVT-T as released (here at 32x48), trained in
     fp32, passes; with the CPU path 20 % off it fails."""
     if wrong:
-        cpu_path_off(monkeypatch)
+        path_off(monkeypatch)
     argv = ['--arch', 'pvt:tiny', '--size', '32x48', '--precision', 'fp32']
     assert fuzz_backbones.main(argv) == int(wrong)
     line = capsys.readouterr().out.splitlines()[-1]
@@ -73,6 +77,27 @@ def test_one_released_architecture(monkeypatch, capsys, wrong):
         with pytest.raises(SystemExit):
             fuzz_backbones.main(bad)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('wrong', [False, True])
+def test_the_triton_kernels_in_random_cases(monkeypatch, capsys, wrong):
+    """``--backend triton``: the GPU's path (here under Triton's interpreter)
+    passes six random cases of four families (DeiT, PVTv2, Swin, PVT; 6 s on
+    this CPU); with the Triton ops 20 % off, every fp32 case with L stages in
+    FLatten's design fails, and no case without L stages does."""
+    from flatten_mm.models.ops import triton_backend
+    if not triton_backend.AVAILABLE:
+        pytest.skip('triton does not import')
+    if wrong:
+        path_off(monkeypatch, 'triton')
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    argv = ['--cases', '6', '--seed', '5', '--backend', 'triton', '--device', device]
+    assert fuzz_backbones.main(argv) == int(wrong)
+    lines = capsys.readouterr().out.splitlines()
+    failed = {int(line.split()[1]) for line in lines[:-1]}
+    linear, fp32 = linear_cases(5)
+    assert len(fp32) >= 3 and (fp32 <= failed <= linear if wrong else not failed)
+    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 5, {device}, triton)'
 
 
 def test_cases_are_drawn_from_every_family_and_mode():
@@ -119,7 +144,6 @@ def test_cases_are_drawn_from_every_family_and_mode():
 
 def test_a_non_finite_gradient_fails():
     """NaN would hide in Python's max: errors() counts it as inf."""
-    import torch
     ref = ([('output 0', torch.ones(3))],
            [('input', torch.ones(3)), ('a', torch.ones(3)), ('b', torch.ones(3))])
     got = ([('output 0', torch.ones(3))], [('input', torch.ones(3)), ('a', torch.ones(3)),
@@ -136,7 +160,6 @@ def test_a_fault_of_shared_code_is_caught(monkeypatch, autocast):
     could go wrong) hides in the model's outputs and in the comparison with the
     reference formula in the same precision. The attention layer's own
     output shows it, over the cap on output errors."""
-    import torch
     from flatten_mm.models import utils
     plain = utils.strided_conv
 

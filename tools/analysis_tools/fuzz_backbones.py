@@ -3,6 +3,7 @@
     python tools/analysis_tools/fuzz_backbones.py --seconds 300 --seed 1
     python tools/analysis_tools/fuzz_backbones.py --device cuda --seconds 150 --seed 1
     python tools/analysis_tools/fuzz_backbones.py --arch swin:tiny --size 800x1333
+    TRITON_INTERPRET=1 python tools/analysis_tools/fuzz_backbones.py --backend triton --seed 1
 
 Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
 configuration (attention type per stage, key reduction, windows, CSwin's
@@ -27,7 +28,9 @@ batch 1, at ``--size``, 800x1333 unless given, in ``--mode`` and
 ``--precision``), in the same way.
 
 It runs the model as users do (the backend chosen per call: the CPU path, or
-Triton on CUDA) and the same weights through the attention core's reference
+Triton on CUDA; with ``--backend triton`` the Triton kernels on every device, on
+CPU under Triton's interpreter (``TRITON_INTERPRET=1``, read when triton is
+imported): the GPU's path in every draw, without a GPU) and the same weights through the attention core's reference
 formula in float64 on CPU (the rest of the model in float64 too, contiguous,
 without the first call or checkpointing; on CPU the DWC's add is the same torch
 code in both runs, on CUDA the Triton kernels are checked against it). It
@@ -265,8 +268,9 @@ def in_layout(case: dict, images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def check_case(case: dict, device: str, tol: float) -> Optional[str]:
-    """None if the case passes, else a line saying how it failed."""
+def check_case(case: dict, device: str, tol: float, backend: str = 'auto') -> Optional[str]:
+    """None if the case passes, else a line saying how it failed; the
+    user's run on ``backend``."""
     model = build(case)
     x = torch.randn(case['batch'], case['kwargs'].get('in_channels', 3), *case['size'])
     mode, (dtype, autocast) = case['mode'], precision_dtypes(case['precision'])
@@ -289,7 +293,7 @@ def check_case(case: dict, device: str, tol: float) -> Optional[str]:
     if first is not None:
         first = (in_layout(case, first[0]),) + first[1:]
     try:
-        got = run(model, x, mode, 'auto', dtype, autocast, device, steps, first)
+        got = run(model, x, mode, backend, dtype, autocast, device, steps, first)
         base = run(plain, x.contiguous(), mode, 'reference', dtype, autocast, device, steps)
     except Exception as e:  # noqa: BLE001  (a failure to report)
         return f'raised {type(e).__name__}: {e}'
@@ -312,6 +316,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--device', default='cpu', help='where the model runs (cpu, cuda)')
     parser.add_argument('--families', nargs='+', choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument('--backend', choices=('auto', 'triton'), default='auto',
+                        help="the user's run: per call (default), or the Triton kernels "
+                        "(on CPU under Triton's interpreter)")
     parser.add_argument('--tol', type=float, default=1e-4,
                         help='fp32 outputs\' slack; ten times this for gradients (default 1e-4)')
     one = parser.add_argument_group('one released architecture instead of random cases')
@@ -346,12 +353,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.startswith('cuda'):  # exact fp32 products, as the reference's
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    elif args.backend == 'triton' and os.environ.get('TRITON_INTERPRET') != '1':
+        raise SystemExit("--backend triton on a CPU runs Triton's interpreter: start the "
+                         "tool with TRITON_INTERPRET=1 (triton reads it when it is imported)")
+    where = args.device + ('' if args.backend == 'auto' else f', {args.backend}')
     if args.arch:
         torch.manual_seed(args.seed)
         case = arch_case(args)
-        problem = check_case(case, args.device, args.tol)
+        problem = check_case(case, args.device, args.tol, args.backend)
         print(f'{":".join(args.arch)} {"x".join(map(str, args.size))} {args.mode} '
-              f'{args.precision}: {problem or "passed"} ({args.device})')
+              f'{args.precision}: {problem or "passed"} ({where})')
         return 1 if problem else 0
     rng, torch_seed = random.Random(args.seed), args.seed
     start, done, failed = time.perf_counter(), 0, 0
@@ -359,13 +370,13 @@ def main(argv=None) -> int:
                                                            or done < args.cases):
         case = random_case(rng, tuple(args.families))
         torch.manual_seed(torch_seed + done)
-        problem = check_case(case, args.device, args.tol)
+        problem = check_case(case, args.device, args.tol, args.backend)
         done += 1
         if problem is not None:
             failed += 1
             print(f'case {done - 1} (torch seed {torch_seed + done - 1}): {case}: {problem}',
                   flush=True)
-    print(f'{done} cases, {failed} failed (seed {args.seed}, {args.device})')
+    print(f'{done} cases, {failed} failed (seed {args.seed}, {where})')
     return 1 if failed else 0
 
 
