@@ -1,9 +1,11 @@
 """What every FLatten backbone shares: stages run as modules, weight
 conversion on load, pretrained loading, stage freezing, norm_eval, gradient
 checkpointing and the default initialisation."""
+import contextlib
 import math
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import ContextManager, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 import torch.utils.checkpoint as cp
 from mmengine.model import BaseModule
 from torch import Tensor, nn
@@ -13,6 +15,7 @@ from ...checkpoint import load_pretrained
 from ...conversion import convert_on_load
 from ..utils import HWShape, check_positive_int
 from ..layers import check_images, stage_output
+from ..ops import get_backend, use_backend
 from .checks import check_backbone_args, check_init_cfg, check_out_indices, check_stages
 
 StageOutput = Tuple[Tensor, Optional[HWShape]]
@@ -77,6 +80,16 @@ def delete_part(module: nn.Module, name: str) -> None:
     owner = find_part(module, parent) if parent else module
     if owner is not None and hasattr(owner, last):
         delattr(owner, last)
+
+
+def same_backend() -> Tuple[ContextManager, ContextManager]:
+    """Gradient checkpointing's contexts of a block: none for its forward, and
+    for its recomputation the attention backend in force at the forward, which
+    may have ended since (``use_backend`` around a forward, the backward after):
+    on another backend the recomputed ops save other tensors and torch raises
+    ``CheckpointError``. (Under torch.compile, where the choice is made when
+    tracing, none.)"""
+    return contextlib.nullcontext(), use_backend(get_backend())
 
 
 class FLattenBackbone(BaseModule):
@@ -162,7 +175,8 @@ class FLattenBackbone(BaseModule):
         """Call a block, through gradient checkpointing when ``with_cp``."""
         if self.with_cp and self.training and any(
                 a.requires_grad for a in args if hasattr(a, 'requires_grad')):
-            return cp.checkpoint(block, *args, use_reentrant=False)
+            kwargs = {} if torch.compiler.is_compiling() else dict(context_fn=same_backend)
+            return cp.checkpoint(block, *args, use_reentrant=False, **kwargs)
         return block(*args)
 
     def stem(self, x: Tensor) -> StageOutput:

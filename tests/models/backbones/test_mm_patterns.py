@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from flatten_mm.models.ops import use_backend
+
 from backbone_checks import FAMILIES, small_backbone
 
 STRIDES = (4, 8, 16, 32)
@@ -69,6 +71,26 @@ def test_with_cp_same_outputs_and_gradients(family):
         outs.append(o)
     for oa, ob in zip(*outs, strict=True):
         torch.testing.assert_close(oa, ob)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize('family', (*FAMILIES, 'deit'))
+def test_with_cp_recomputes_on_the_backend_of_the_forward(family):
+    """The forward on another attention backend than the one ``'auto'``
+    takes (``use_backend`` around the forward only, as comparisons and
+    benchmarks set it), the backward after: checkpointing recomputes each block
+    on the forward's backend (on ``'auto'``'s, whose ops save other tensors,
+    torch raised ``CheckpointError``), and the gradients are those without
+    checkpointing."""
+    a = small_backbone(family, drop_path_rate=0.)
+    b = small_backbone(family, drop_path_rate=0., with_cp=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 37, 45)
+    for m in (a.train(), b.train()):
+        with use_backend('reference'):
+            out = m(x)
+        sum(t.square().sum() for t in out).backward()
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=name)
 
