@@ -15,7 +15,7 @@ from ...checkpoint import load_pretrained
 from ...conversion import convert_on_load
 from ..utils import HWShape, check_positive_int
 from ..layers import check_images, stage_output
-from ..ops import get_backend, use_backend
+from ..ops import get_backend, set_backend
 from .checks import check_backbone_args, check_init_cfg, check_out_indices, check_stages
 
 StageOutput = Tuple[Tensor, Optional[HWShape]]
@@ -82,14 +82,30 @@ def delete_part(module: nn.Module, name: str) -> None:
         delattr(owner, last)
 
 
+class BackendInForce:
+    """A context that makes the attention backend in force when it was made the
+    one in force again, each time it is entered (``use_backend`` can be entered
+    once)."""
+
+    def __init__(self) -> None:
+        self.name, self.previous = get_backend(), []
+
+    def __enter__(self) -> None:
+        self.previous.append(get_backend())
+        set_backend(self.name)
+
+    def __exit__(self, *exc) -> None:
+        set_backend(self.previous.pop())
+
+
 def same_backend() -> Tuple[ContextManager, ContextManager]:
     """Gradient checkpointing's contexts of a block: none for its forward, and
-    for its recomputation the attention backend in force at the forward, which
-    may have ended since (``use_backend`` around a forward, the backward after):
-    on another backend the recomputed ops save other tensors and torch raises
-    ``CheckpointError``. (Under torch.compile, where the choice is made when
-    tracing, none.)"""
-    return contextlib.nullcontext(), use_backend(get_backend())
+    for its recomputation (at each backward) the attention backend in force at
+    the forward, which may have ended since (``use_backend`` around a forward,
+    the backward after): on another backend the recomputed ops save other
+    tensors and torch raises ``CheckpointError``. (Under torch.compile, where
+    the choice is made when tracing, none.)"""
+    return contextlib.nullcontext(), BackendInForce()
 
 
 class FLattenBackbone(BaseModule):

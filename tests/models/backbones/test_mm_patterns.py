@@ -81,16 +81,17 @@ def test_with_cp_recomputes_on_the_backend_of_the_forward(family):
     takes (``use_backend`` around the forward only, as comparisons and
     benchmarks set it), the backward after: checkpointing recomputes each block
     on the forward's backend (on ``'auto'``'s, whose ops save other tensors,
-    torch raised ``CheckpointError``), and the gradients are those without
-    checkpointing."""
+    torch raised ``CheckpointError``), at each backward, and the gradients are
+    those without checkpointing."""
     a = small_backbone(family, drop_path_rate=0.)
     b = small_backbone(family, drop_path_rate=0., with_cp=True)
     b.load_state_dict(a.state_dict())
     x = torch.randn(2, 3, 37, 45)
     for m in (a.train(), b.train()):
         with use_backend('reference'):
-            out = m(x)
-        sum(t.square().sum() for t in out).backward()
+            loss = sum(t.square().sum() for t in m(x))
+        loss.backward(retain_graph=True)
+        loss.backward()  # a second backward recomputes the blocks again
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=name)
 
