@@ -366,15 +366,24 @@ def agree_tol(dtype: torch.dtype) -> float:
 def _probe(fn, inputs: Sequence[Tensor]) -> list:
     """Output and input gradients of ``fn`` on detached copies of ``inputs``, for
     a fixed output gradient (no random numbers drawn); under
-    ``torch.inference_mode`` (no gradients) the output alone."""
+    ``torch.inference_mode`` (no gradients) the output alone. Its graph keeps
+    its tensors itself, whatever saved-tensor hooks are in force: in the forward
+    of a block under gradient checkpointing (``with_cp``) the checkpoint's
+    hooks would count them as the block's, recompute the block to read them
+    back, and find other tensors saved when the backward recomputes it."""
     if torch.is_inference_mode_enabled():
         return [fn(*inputs)]
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    with torch.enable_grad():
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_itself, _itself):
         out = fn(*leaves)
         g = torch.cos(torch.arange(out.numel(), device=out.device, dtype=torch.float32))
         grads = torch.autograd.grad(out, leaves, g.view_as(out).to(out.dtype))
     return [out.detach(), *grads]
+
+
+def _itself(x: Tensor) -> Tensor:
+    """A saved-tensor hook that keeps the tensor as it is."""
+    return x
 
 
 def _record(key: tuple) -> tuple:

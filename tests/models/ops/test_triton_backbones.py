@@ -109,3 +109,29 @@ def test_backbone_on_the_kernels_under_bf16_autocast():
     for name, a, b, want in pairs:
         err, err_torch = relative_error(a, want), relative_error(b, want)
         assert err < 3e-2 or err < 3 * err_torch, f'{name}: {err:.2e} (torch {err_torch:.2e})'
+
+
+def test_first_use_check_inside_gradient_checkpointing(monkeypatch):
+    """The first training step on 'auto' with ``with_cp`` (mmdet's option to
+    save memory): each layer configuration's first-use check
+    (``tb.agrees_once``) runs inside a checkpointed block's forward. Its probe
+    keeps its own tensors, so the block's recomputation in the backward saves
+    what its forward saved (torch raised ``CheckpointError`` on that step), and
+    the step equals the step without checkpointing. The interpreter stands in
+    for a GPU. (All first-use checks run through one probe, ``tb._probe``.)"""
+    monkeypatch.setattr(tb, 'get_backend', lambda: 'auto')
+    monkeypatch.setattr(tb, '_AGREED', set())
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    plain = small_backbone('pvt', drop_path_rate=0.)
+    checkpointed = small_backbone('pvt', drop_path_rate=0., with_cp=True)
+    for model in (plain, checkpointed):
+        model.prune_stages(1)  # one layer configuration: the interpreter is slow
+    checkpointed.load_state_dict(plain.state_dict())
+    plain.train().to(DEVICE)
+    x = torch.randn(2, 3, 29, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got, got_grads, _ = run(checkpointed.train().to(DEVICE), x, 'triton')
+    assert tb._AGREED and tb._KERNELS['importable']  # checked, and the kernels agreed
+    want, want_grads, _ = run(plain, x, 'triton')
+    for a, b in zip(got, want, strict=True):
+        assert relative_error(a, b) < 1e-6
+    assert_grads_close(got_grads, want_grads, 1e-6)
