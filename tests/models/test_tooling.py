@@ -107,6 +107,20 @@ def test_compiled_training_step_equals_eager(kind, backend, with_cp):
     assert_grads_close(got_grads, want_grads, 1e-4)
 
 
+def test_make_fx_traces_a_checkpointed_backbone():
+    """make_fx (AOTAutograd's tracer) of a backbone in training with
+    ``with_cp``: under a proxy mode checkpoint takes dispatch modes as its
+    contexts and raised ``AssertionError`` for the context that keeps a
+    block's backend in eager mode; the graph computes eager's outputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    model = backbone('pvt', with_cp=True).train()
+    model.prune_stages(1)
+    x = torch.randn(1, 3, 29, 37, requires_grad=True)
+    graph = make_fx(lambda images: model(images))(x)
+    for got, want in zip(graph(x), model(x), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize('kind', sorted(BACKBONES) + ['pvt-reduced-keys'])
 def test_compiled_inference_is_one_graph_equal_to_eager(kind):
     """Inference as a test loop runs it (eval, no gradient, where the layers may

@@ -20,8 +20,8 @@ autocast, in 10 % instead a model and images in bf16 or fp16 (``.half()`` or
 ``.bfloat16()``, as deployed), in 20 % the model and images in channels-last
 layout (else in 15 % images with rows and columns swapped in memory), and in
 30 % a first call on other images (at the same size or another, in any mode,
-under autocast or not) followed by an in-place change of every parameter, as an optimiser step or EMA
-update makes it.
+under autocast or not) followed by an in-place change of every parameter, as
+an optimiser step or EMA update makes it.
 
 With ``--arch`` it checks one released architecture instead (its defaults,
 batch 1, at ``--size``, 800x1333 unless given, in ``--mode`` and
@@ -30,8 +30,8 @@ batch 1, at ``--size``, 800x1333 unless given, in ``--mode`` and
 It runs the model as users do (the backend chosen per call: the CPU path, or
 Triton on CUDA; with ``--backend triton`` the Triton kernels on every device, on
 CPU under Triton's interpreter (``TRITON_INTERPRET=1``, read when triton is
-imported): the GPU's path in every draw, without a GPU) and the same weights through the attention core's reference
-formula in float64 on CPU (the rest of the model in float64 too, contiguous,
+imported): the GPU's path in every draw, without a GPU) and the same weights
+through the attention core's reference formula in float64 on CPU (the rest of the model in float64 too, contiguous,
 without the first call or checkpointing; on CPU the DWC's add is the same torch
 code in both runs, on CUDA the Triton kernels are checked against it). It
 compares the outputs, those of every attention layer (where an error shows that
@@ -62,6 +62,7 @@ from torch import nn
 
 from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
 from flatten_mm.models.designs import DESIGNS
+from flatten_mm.models.ops import triton_backend
 from flatten_mm.models.ops.dispatch import use_backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +155,7 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
         dtype = precision_dtypes(precision)[0]
         autocasts = ('bf16', 'fp16') if dtype == torch.float32 else (precision[:4], )
         warm = dict(batch=rng.choice([1, 2, 3]), mode=rng.choice(MODES),
-                    precision=rng.choice(('fp32', 'fp32') + autocasts),
+                    autocast=rng.choice((None, None) + autocasts),
                     size=size if rng.random() < 0.5 else (rng.randint(low, 90),
                                                           rng.randint(low, 90)))
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
@@ -282,7 +283,7 @@ def check_case(case: dict, device: str, tol: float, backend: str = 'auto') -> Op
         steps = {n: 0.1 * torch.randn(p.shape, dtype=torch.float64) *
                  (p.detach().double().abs().mean() + 1e-3) for n, p in model.named_parameters()}
         first = (torch.randn(warm['batch'], x.shape[1], *warm['size']), warm['mode'],
-                 precision_dtypes(warm['precision'])[1])
+                 precision_dtypes(warm['autocast'] or 'fp32')[1])
     try:
         ref = run(plain, x, mode, 'reference', torch.float64, None, 'cpu', steps)
     except Exception as e:  # noqa: BLE001  (nothing to compare with)
@@ -327,8 +328,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help='HxW (default 800x1333)')
     one.add_argument('--mode', choices=MODES, default='train')
     one.add_argument('--precision', choices=PRECISIONS, default='bf16',
-                     help='bf16, fp16: autocast; -weights: the model in it, without '
-                     '(default bf16)')
+                     help='bf16, fp16: autocast; -weights: the model in that type, '
+                     'without autocast (default bf16)')
     return parser.parse_args(argv)
 
 
@@ -353,7 +354,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.startswith('cuda'):  # exact fp32 products, as the reference's
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    elif args.backend == 'triton' and os.environ.get('TRITON_INTERPRET') != '1':
+    if args.backend == 'triton' and not triton_backend.AVAILABLE:
+        raise SystemExit('--backend triton: triton does not import')
+    if not args.device.startswith('cuda') and args.backend == 'triton' \
+            and os.environ.get('TRITON_INTERPRET') != '1':
         raise SystemExit("--backend triton on a CPU runs Triton's interpreter: start the "
                          "tool with TRITON_INTERPRET=1 (triton reads it when it is imported)")
     where = args.device + ('' if args.backend == 'auto' else f', {args.backend}')

@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...checkpoint import load_pretrained
 from ...conversion import convert_on_load
-from ..utils import HWShape, check_positive_int
+from ..utils import HWShape, check_positive_int, under_tensor_mode
 from ..layers import check_images, stage_output
 from ..ops import get_backend, set_backend
 from .checks import check_backbone_args, check_init_cfg, check_out_indices, check_stages
@@ -83,28 +83,32 @@ def delete_part(module: nn.Module, name: str) -> None:
 
 
 class BackendInForce:
-    """A context that makes the attention backend in force when it was made the
-    one in force again, each time it is entered (``use_backend`` can be entered
-    once)."""
+    """A context that makes the attention backend override in force when it
+    was made the one in force again, each time it is entered (``use_backend``
+    can be entered once), and changes nothing where it already is (the
+    override is process-wide: a backward on autograd's device threads
+    leaves it alone unless a forward's override has ended)."""
 
     def __init__(self) -> None:
         self.name, self.previous = get_backend(), []
 
     def __enter__(self) -> None:
         self.previous.append(get_backend())
-        set_backend(self.name)
+        if self.previous[-1] != self.name:
+            set_backend(self.name)
 
     def __exit__(self, *exc) -> None:
-        set_backend(self.previous.pop())
+        previous = self.previous.pop()
+        if previous != self.name:
+            set_backend(previous)
 
 
 def same_backend() -> Tuple[ContextManager, ContextManager]:
     """Gradient checkpointing's contexts of a block: none for its forward, and
-    for its recomputation (at each backward) the attention backend in force at
-    the forward, which may have ended since (``use_backend`` around a forward,
-    the backward after): on another backend the recomputed ops save other
-    tensors and torch raises ``CheckpointError``. (Under torch.compile, where
-    the choice is made when tracing, none.)"""
+    for its recomputation (at each backward) the attention backend override in
+    force at the forward, which may have ended since (``use_backend`` around a
+    forward, the backward after): on another backend the recomputed ops save
+    other tensors and torch raises ``CheckpointError``."""
     return contextlib.nullcontext(), BackendInForce()
 
 
@@ -191,7 +195,10 @@ class FLattenBackbone(BaseModule):
         """Call a block, through gradient checkpointing when ``with_cp``."""
         if self.with_cp and self.training and any(
                 a.requires_grad for a in args if hasattr(a, 'requires_grad')):
-            kwargs = {} if torch.compiler.is_compiling() else dict(context_fn=same_backend)
+            # (traced: torch.compile, make_fx and AOTAutograd take no context but
+            # their own, and choose the backend when tracing)
+            traced = torch.compiler.is_compiling() or under_tensor_mode()
+            kwargs = {} if traced else dict(context_fn=same_backend)
             return cp.checkpoint(block, *args, use_reentrant=False, **kwargs)
         return block(*args)
 
