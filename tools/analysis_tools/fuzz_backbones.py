@@ -31,9 +31,10 @@ It runs the model as users do (the backend chosen per call: the CPU path, or
 Triton on CUDA; with ``--backend triton`` the Triton kernels on every device, on
 CPU under Triton's interpreter (``TRITON_INTERPRET=1``, read when triton is
 imported): the GPU's path in every draw, without a GPU) and the same weights
-through the attention core's reference formula in float64 on CPU (the rest of the model in float64 too, contiguous,
-without the first call or checkpointing; on CPU the DWC's add is the same torch
-code in both runs, on CUDA the Triton kernels are checked against it). It
+through the attention core's reference formula in float64 on CPU (the rest of
+the model in float64 too, contiguous, without the first call or checkpointing;
+on CPU the DWC's add is the same torch code in both runs, on CUDA and with
+``--backend triton`` the Triton kernels are checked against it). It
 compares the outputs, those of every attention layer (where an error shows that
 the residual stream would hide) and, where gradients are taken, every gradient
 (input included; relative to its norm plus 1e-3 of the largest, so that the
