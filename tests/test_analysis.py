@@ -123,7 +123,7 @@ def test_saved_bytes_of_fake_tensors_equal_real_ones(monkeypatch):
     import copy
     from torch._subclasses.fake_tensor import FakeTensorMode
     from flatten_mm.models import utils
-    monkeypatch.setattr(utils, 'under_tensor_mode', lambda: False)
+    monkeypatch.setattr(utils, '_under_tensor_mode', lambda: False)
     torch.manual_seed(0)
     layer = FocusedLinearAttention(32, 2, sr_ratio=2, pos_grid=(6, 10)).train()
     other = copy.deepcopy(layer)

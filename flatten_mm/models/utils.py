@@ -84,7 +84,7 @@ def is_exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-def under_tensor_mode() -> bool:
+def _under_tensor_mode() -> bool:
     """Whether a fake or proxy tensor mode is active (``make_fx``, fake-tensor
     shape propagation): the tensors made then must not outlive it."""
     get, keys = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey
@@ -147,7 +147,7 @@ def _module_cache(module: nn.Module, inference_only: bool):
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or is_fx_symbolic_tracing():
         return None  # first: a trace must not touch the module's __dict__ (torch 2.11's
         # dynamo cannot trace it: a graph break in every attention layer)
-    if inference_only and (module.training or torch.is_grad_enabled()) or under_tensor_mode():
+    if inference_only and (module.training or torch.is_grad_enabled()) or _under_tensor_mode():
         return None
     return module.__dict__.setdefault('_tensor_cache', TensorCache())
 

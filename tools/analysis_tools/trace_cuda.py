@@ -311,9 +311,7 @@ def first_use_checks_passed():
     from flatten_mm.models.ops import triton_backend, triton_conv
     fused = getattr(ops, 'triton_fused', None)  # (a checkout from before it has none)
     with contextlib.ExitStack() as stack:
-        mode = 'under_tensor_mode' if hasattr(utils, 'under_tensor_mode') else \
-            '_under_tensor_mode'  # (its name in older checkouts)
-        stack.enter_context(mock.patch.object(utils, mode, lambda: False))
+        stack.enter_context(mock.patch.object(utils, '_under_tensor_mode', lambda: False))
         for module in (triton_backend, triton_conv) + ((fused, ) if fused else ()):
             stack.enter_context(mock.patch.object(module, '_agrees_on_first_use', lambda *a: True))
             stack.enter_context(mock.patch.dict(module._KERNELS))  # 'ran' on the first call

@@ -13,9 +13,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...checkpoint import load_pretrained
 from ...conversion import convert_on_load
-from ..utils import HWShape, check_positive_int, under_tensor_mode
+from ..utils import HWShape, _under_tensor_mode, check_positive_int
 from ..layers import check_images, stage_output
-from ..ops import get_backend, set_backend
+from ..ops import get_backend, use_backend
 from .checks import check_backbone_args, check_init_cfg, check_out_indices, check_stages
 
 StageOutput = Tuple[Tensor, Optional[HWShape]]
@@ -82,34 +82,13 @@ def delete_part(module: nn.Module, name: str) -> None:
         delattr(owner, last)
 
 
-class BackendInForce:
-    """A context that makes the attention backend override in force when it
-    was made the one in force again, each time it is entered (``use_backend``
-    can be entered once), and changes nothing where it already is (the
-    override is process-wide: a backward on autograd's device threads
-    leaves it alone unless a forward's override has ended)."""
-
-    def __init__(self) -> None:
-        self.name, self.previous = get_backend(), []
-
-    def __enter__(self) -> None:
-        self.previous.append(get_backend())
-        if self.previous[-1] != self.name:
-            set_backend(self.name)
-
-    def __exit__(self, *exc) -> None:
-        previous = self.previous.pop()
-        if previous != self.name:
-            set_backend(previous)
-
-
 def same_backend() -> Tuple[ContextManager, ContextManager]:
     """Gradient checkpointing's contexts of a block: none for its forward, and
     for its recomputation (at each backward) the attention backend override in
     force at the forward, which may have ended since (``use_backend`` around a
     forward, the backward after): on another backend the recomputed ops save
     other tensors and torch raises ``CheckpointError``."""
-    return contextlib.nullcontext(), BackendInForce()
+    return contextlib.nullcontext(), use_backend(get_backend())
 
 
 class FLattenBackbone(BaseModule):
@@ -197,7 +176,7 @@ class FLattenBackbone(BaseModule):
                 a.requires_grad for a in args if hasattr(a, 'requires_grad')):
             # (traced: torch.compile, make_fx and AOTAutograd take no context but
             # their own, and choose the backend when tracing)
-            traced = torch.compiler.is_compiling() or under_tensor_mode()
+            traced = torch.compiler.is_compiling() or _under_tensor_mode()
             kwargs = {} if traced else dict(context_fn=same_backend)
             return cp.checkpoint(block, *args, use_reentrant=False, **kwargs)
         return block(*args)

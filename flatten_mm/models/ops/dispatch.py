@@ -20,9 +20,8 @@ takes under ``'auto'``. The same switch chooses for the layer's other op,
 ``'conv_add'`` (the output plus DWC(V), :func:`.conv.depthwise_conv_add`), whose
 backends are ``'torch'`` and the fused ``'triton'`` (any other name: ``'torch'``).
 """
-import contextlib
 import os
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,15 +69,24 @@ def get_backend() -> str:
     return _OVERRIDE['name']
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """:func:`set_backend` for the duration of a ``with`` block."""
-    previous = get_backend()
-    set_backend(name)
-    try:
-        yield
-    finally:
-        _OVERRIDE['name'] = previous
+class use_backend:  # noqa: N801 (a context manager, named as torch.no_grad)
+    """:func:`set_backend` for the duration of a ``with`` block. It can be
+    entered again (gradient checkpointing enters the one a forward made at
+    each backward's recomputation), and it changes nothing where ``name`` is
+    already in force (the override is process-wide: autograd's device threads
+    see it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.previous = name, []
+
+    def __enter__(self) -> None:
+        previous = get_backend()
+        if previous != self.name:
+            set_backend(self.name)  # (checks the name)
+        self.previous.append(previous)
+
+    def __exit__(self, *exc) -> None:
+        _OVERRIDE['name'] = self.previous.pop()
 
 
 def choose(op: str, *args) -> str:
