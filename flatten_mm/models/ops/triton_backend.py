@@ -327,8 +327,14 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_fact
 
 def run_guarded(state: dict, what: str, ours, agrees, theirs) -> Tensor:
     """``ours()`` (a Triton op's call), or ``theirs()`` (its PyTorch form) when
-    it fails on its first call (:func:`fall_back_on_first_failure`; ``state``
-    records that it ran) or ``agrees()`` (its first-use check) says it is wrong."""
+    ``agrees()`` (its first-use check) says it is wrong or it fails on its first
+    call (:func:`fall_back_on_first_failure`; ``state`` records that it ran).
+    The check comes first: a call returns the output of the one form it ran, so
+    a block under gradient checkpointing (``with_cp``) saves in its forward the
+    tensors of the form its recomputation runs (after a disagreement, 'auto'
+    takes the torch backend there)."""
+    if not agrees():
+        return theirs()
     try:
         out = ours()
     except Exception as err:  # noqa: BLE001 (re-raised unless it is the first call)
@@ -337,7 +343,7 @@ def run_guarded(state: dict, what: str, ours, agrees, theirs) -> Tensor:
         return theirs()
     if not torch.compiler.is_compiling():  # no side effect in a traced graph
         state['ran'] = True
-    return out if agrees() else theirs()
+    return out
 
 
 def _kernels_op(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, focusing_factor: float,

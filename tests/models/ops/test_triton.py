@@ -159,33 +159,45 @@ def test_clear_errors(monkeypatch):
 
 def test_auto_falls_back_when_the_first_call_fails(monkeypatch):
     """Under 'auto' a kernel that cannot run (a Triton that cannot build it)
-    leaves the backend for the torch one with a warning, on the first call only;
-    a forced 'triton' raises."""
+    leaves the backend for the torch one with a warning: at its configuration's
+    first-use check, which runs before the op, or where no check runs (a single
+    key) at its first call; after a successful call it raises, as a forced
+    'triton' does, and so does running out of memory."""
     q, k, v, scale, _, _ = inputs(1, 5, 5, 8, torch.float32, device='cpu')
     want = focused_linear_attention(q, k, v, scale, 3.0, 2)  # 'auto' on CPU: torch
+    one_key = focused_linear_attention(q, k[:, :1], v[:, :1], scale, 3.0, 2)
 
     def broken(*args):
         raise RuntimeError('cannot build the kernel')
     monkeypatch.setattr(tb.kernels(), 'forward', broken)
+    monkeypatch.setattr(tb, '_AGREED', set())
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
     monkeypatch.delitem(tb._KERNELS, 'ran', raising=False)
     with use_backend('triton'), pytest.raises(RuntimeError, match='cannot build'):
         focused_linear_attention(q, k, v, scale, 3.0, 2)
-    with pytest.warns(RuntimeWarning, match="first call .*cannot build.*'torch' backend"):
+    with pytest.warns(RuntimeWarning, match="first check .*cannot build.*'torch' backend"):
         got = tb.triton_backend(q, k, v, scale, 3.0, 2)  # as 'auto' would call it
     torch.testing.assert_close(got, want)
     assert tb._KERNELS['importable'] is False  # 'auto' no longer picks it
+    assert 'ran' not in tb._KERNELS  # the check failed: the op itself did not run
+    monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    with pytest.warns(RuntimeWarning, match="first call .*cannot build.*'torch' backend"):
+        got = tb.triton_backend(q, k[:, :1], v[:, :1], scale, 3.0, 2)  # one key: no check
+    torch.testing.assert_close(got, one_key)
+    assert tb._KERNELS['importable'] is False
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
     monkeypatch.setitem(tb._KERNELS, 'ran', True)  # after a successful call: the error
     with pytest.raises(RuntimeError, match='cannot build'):
-        tb.triton_backend(q, k, v, scale, 3.0, 2)
+        tb.triton_backend(q, k[:, :1], v[:, :1], scale, 3.0, 2)
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError('no memory')
     monkeypatch.setattr(tb.kernels(), 'forward', out_of_memory)
     monkeypatch.delitem(tb._KERNELS, 'ran')  # a first call again: memory is no reason to leave
-    with pytest.raises(torch.OutOfMemoryError):
-        tb.triton_backend(q, k, v, scale, 3.0, 2)
+    for keys in (5, 1):  # in the check, and in a first call without one
+        with pytest.raises(torch.OutOfMemoryError):
+            tb.triton_backend(q, k[:, :keys], v[:, :keys], scale, 3.0, 2)
+    assert tb._KERNELS['importable'] is True
 
 
 def recording_backend():

@@ -12,12 +12,14 @@ with TF32 off on both sides (tests/models/test_tooling.py's
 ``test_cuda_equals_cpu`` also checks similar small backbones there against
 the CPU).
 """
+import warnings
 from collections import Counter
 
 import pytest
 import torch
 
 from flatten_mm.models import FocusedLinearAttention
+from flatten_mm.models.ops import dispatch
 from flatten_mm.models.ops import triton_backend as tb
 from flatten_mm.models.ops import use_backend
 
@@ -111,17 +113,26 @@ def test_backbone_on_the_kernels_under_bf16_autocast():
         assert err < 3e-2 or err < 3 * err_torch, f'{name}: {err:.2e} (torch {err_torch:.2e})'
 
 
-def test_first_use_check_inside_gradient_checkpointing(monkeypatch):
+@pytest.mark.parametrize('agree', [True, False], ids=['agreeing', 'disagreeing'])
+def test_first_use_check_inside_gradient_checkpointing(monkeypatch, agree):
     """The first training step on 'auto' with ``with_cp`` (mmdet's option to
     save memory): each layer configuration's first-use check
     (``tb.agrees_once``) runs inside a checkpointed block's forward. Its probe
     keeps its own tensors, so the block's recomputation in the backward saves
     what its forward saved (torch raised ``CheckpointError`` on that step), and
-    the step equals the step without checkpointing. The interpreter stands in
-    for a GPU. (All first-use checks run through one probe, ``tb._probe``.)"""
-    monkeypatch.setattr(tb, 'get_backend', lambda: 'auto')
+    the step equals the step without checkpointing. Kernels that disagree (a
+    GPU that computes them wrong; here every check's bound is below zero) are
+    not run in the block's forward: the torch form alone is, as 'auto' runs in
+    the recomputation once it has left the kernels (torch raised
+    ``CheckpointError`` there too), and the step equals the torch backend's.
+    The interpreter stands in for a GPU: 'auto' takes the kernels for CPU
+    tensors. (All first-use checks run through one probe, ``tb._probe``.)"""
     monkeypatch.setattr(tb, '_AGREED', set())
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
+    for op in ('attention', 'conv_add', 'attention_local'):  # 'auto' takes the kernels
+        monkeypatch.setitem(dispatch._AUTO[op], 'triton', lambda *args: tb.importable())
+    if not agree:
+        monkeypatch.setattr(tb, 'AGREE_TOL', dict.fromkeys(tb.AGREE_TOL, -1.))
     plain = small_backbone('pvt', drop_path_rate=0.)
     checkpointed = small_backbone('pvt', drop_path_rate=0., with_cp=True)
     for model in (plain, checkpointed):
@@ -129,9 +140,13 @@ def test_first_use_check_inside_gradient_checkpointing(monkeypatch):
     checkpointed.load_state_dict(plain.state_dict())
     plain.train().to(DEVICE)
     x = torch.randn(2, 3, 29, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    got, got_grads, _ = run(checkpointed.train().to(DEVICE), x, 'triton')
-    assert tb._AGREED and tb._KERNELS['importable']  # checked, and the kernels agreed
-    want, want_grads, _ = run(plain, x, 'triton')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        got, got_grads, _ = run(checkpointed.train().to(DEVICE), x, 'auto')
+    disagreed = [w for w in caught if 'disagree with' in str(w.message)]
+    assert bool(disagreed) != agree and tb._KERNELS['importable'] == agree
+    assert bool(tb._AGREED) == agree  # checked, and the kernels agreed (or none did)
+    want, want_grads, _ = run(plain, x, 'triton' if agree else 'torch')
     for a, b in zip(got, want, strict=True):
         assert relative_error(a, b) < 1e-6
     assert_grads_close(got_grads, want_grads, 1e-6)
