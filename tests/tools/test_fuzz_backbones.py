@@ -31,13 +31,15 @@ def path_off(monkeypatch, backend: str = 'torch') -> None:
 
 def linear_cases(seed: int, families=fuzz_backbones.FAMILIES, cases: int = 6) -> tuple:
     """Of the first ``cases`` cases ``seed`` draws, those with focused linear
-    (L) stages, and those of them in fp32 with FLatten's design."""
+    (L) stages, those of them in fp32 with FLatten's design, and those of them
+    with FLatten's design (the attention op's; other designs take other ops)."""
     import random
     rng = random.Random(seed)
     drawn = [fuzz_backbones.random_case(rng, families) for _ in range(cases)]
     linear = {i for i, c in enumerate(drawn) if 'L' in c['kwargs']['attn_type']}
-    return linear, {i for i in linear if drawn[i]['precision'] == 'fp32'
-                    and drawn[i]['kwargs'].get('attn_design', 'focused') == 'focused'}
+    focused = {i for i in linear
+               if drawn[i]['kwargs'].get('attn_design', 'focused') == 'focused'}
+    return linear, {i for i in focused if drawn[i]['precision'] == 'fp32'}, focused
 
 
 def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
@@ -50,7 +52,7 @@ def test_a_wrong_cpu_path_is_caught(monkeypatch, capsys):
     path_off(monkeypatch)
     # the first seed from 89 that draws fp32 cases with L stages and a case
     # without (which seed does changes as the tool draws more)
-    seed, (linear, fp32) = next((s, k) for s in range(89, 189)
+    seed, (linear, fp32, _) = next((s, k) for s in range(89, 189)
                                 for k in [linear_cases(s, ('pvt', ))]
                                 if k[1] and k[0] < set(range(6)))
     assert fuzz_backbones.main(['--cases', '6', '--seed', str(seed), '--families', 'pvt']) == 1
@@ -79,25 +81,41 @@ def test_one_released_architecture(monkeypatch, capsys, wrong):
         assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('wrong', [False, True])
-def test_the_triton_kernels_in_random_cases(monkeypatch, capsys, wrong):
-    """``--backend triton``: the GPU's path (here under Triton's interpreter)
-    passes six random cases of four families (DeiT, PVTv2, Swin, PVT; 15 s
-    on this CPU); with the Triton ops 20 % off, every fp32 case with L stages in
-    FLatten's design fails, and no case without L stages does."""
+@pytest.mark.parametrize('backend, fault', [('auto-interpreted', None), ('triton', 'off'),
+                                            ('auto-interpreted', 'check')])
+def test_the_triton_kernels_in_random_cases(monkeypatch, capsys, backend, fault):
+    """The GPU's path (here under Triton's interpreter) in six random cases of
+    four families (DeiT, PVTv2, Swin, PVT): ``--backend auto-interpreted`` (per
+    call as on a GPU, each configuration's first call checked against the
+    torch backend) passes them. With the Triton ops 20 % off (``--backend
+    triton``: the kernels, unchecked) every fp32 case with L stages in FLatten's
+    design fails, and no case without L stages does; where the first-use check
+    sends the process to the torch backend (every check's bound below zero),
+    the cases with L stages in FLatten's design fail, each saying so."""
     from flatten_mm.models.ops import triton_backend
     if not triton_backend.AVAILABLE:
         pytest.skip('triton does not import')
-    if wrong:
+    if fault == 'off':
         path_off(monkeypatch, 'triton')
+    if fault == 'check':
+        monkeypatch.setattr(triton_backend, 'AGREE_TOL',
+                            dict.fromkeys(triton_backend.AGREE_TOL, -1.))
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    argv = ['--cases', '6', '--seed', '5', '--backend', 'triton', '--device', device]
-    assert fuzz_backbones.main(argv) == int(wrong)
+    if device == 'cuda' and backend != 'triton':
+        backend = 'auto'  # the same on a GPU
+    argv = ['--cases', '6', '--seed', '5', '--backend', backend, '--device', device]
+    assert fuzz_backbones.main(argv) == int(fault is not None)
     lines = capsys.readouterr().out.splitlines()
     failed = {int(line.split()[1]) for line in lines[:-1]}
-    linear, fp32 = linear_cases(5)
-    assert len(fp32) >= 3 and (fp32 <= failed <= linear if wrong else not failed)
-    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 5, {device}, triton)'
+    linear, fp32, focused = linear_cases(5)
+    assert len(fp32) >= 3 and len(focused) > len(fp32)  # (bf16 too)
+    assert fp32 <= failed <= linear if fault == 'off' else \
+        failed == (focused if fault else set())
+    assert ['first-use check left the kernels' in line for line in lines[:-1]] == \
+        [fault == 'check'] * len(failed)
+    assert not triton_backend.INTERPRETER_AS_GPU['on']  # for these cases only
+    where = f'{device}{", " + backend if backend != "auto" else ""}'
+    assert lines[-1] == f'6 cases, {len(failed)} failed (seed 5, {where})'
 
 
 def test_cases_are_drawn_from_every_family_and_mode():

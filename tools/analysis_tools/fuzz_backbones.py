@@ -4,6 +4,7 @@
     python tools/analysis_tools/fuzz_backbones.py --device cuda --seconds 150 --seed 1
     python tools/analysis_tools/fuzz_backbones.py --arch swin:tiny --size 800x1333
     TRITON_INTERPRET=1 python tools/analysis_tools/fuzz_backbones.py --backend triton --seed 1
+    TRITON_INTERPRET=1 python tools/analysis_tools/fuzz_backbones.py --backend auto-interpreted
 
 Each case draws a family (PVT, PVTv2, Swin, CSwin, DeiT) with a random small
 configuration (attention type per stage, key reduction, windows, CSwin's
@@ -30,11 +31,18 @@ batch 1, at ``--size``, 800x1333 unless given, in ``--mode`` and
 It runs the model as users do (the backend chosen per call: the CPU path, or
 Triton on CUDA; with ``--backend triton`` the Triton kernels on every device, on
 CPU under Triton's interpreter (``TRITON_INTERPRET=1``, read when triton is
-imported): the GPU's path in every draw, without a GPU) and the same weights
+imported): the GPU's path in every draw, without a GPU; with ``--backend
+auto-interpreted`` per call as on a GPU, on CPU under the interpreter: the kernels
+where a GPU takes them, each configuration's first call checked against the
+torch backend) and the same weights
 through the attention core's reference formula in float64 on CPU (the rest of
 the model in float64 too, contiguous, without the first call or checkpointing;
 on CPU the DWC's add is the same torch code in both runs, on CUDA and with
-``--backend triton`` the Triton kernels are checked against it). It
+``--backend triton`` the Triton kernels are checked against it). Under
+``'auto'`` the kernels' first-use check runs again in every case, and a case
+fails where it sends the process to the torch backend (a wrong kernel, or a
+bound too tight for the case: a user would get a warning and the slower
+path). It
 compares the outputs, those of every attention layer (where an error shows that
 the residual stream would hide) and, where gradients are taken, every gradient
 (input included; relative to its norm plus 1e-3 of the largest, so that the
@@ -80,6 +88,7 @@ Named = List[Tuple[str, torch.Tensor]]
 # (autocast or half weights) and in fp32: in bf16 the reference formula's
 # worst attention layer of 6,753 random cases was 24 % off float64
 OUTPUT_CAP = {True: 0.5, False: 1e-2}
+AS_GPU = 'auto-interpreted'  # --backend: 'auto' taking the kernels for CPU tensors
 
 
 def family_kwargs(rng: random.Random, family: str, width: int) -> dict:
@@ -270,6 +279,28 @@ def in_layout(case: dict, images: torch.Tensor) -> torch.Tensor:
     return images
 
 
+def users_run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, *args
+              ) -> Tuple[Tuple[Named, Named], str]:
+    """:func:`run` of the user's model on ``backend``, and the warning of the
+    kernels' first-use check, if it sent the process to the torch backend (''
+    if not). Under ``'auto'`` that check runs again in every case, at each
+    configuration's first call: a disagreement there (a wrong kernel, or a
+    bound too tight for the case) fails the case, where a user would get the
+    warning and the slower torch backend."""
+    as_gpu = triton_backend.INTERPRETER_AS_GPU
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always', RuntimeWarning)
+        if backend != 'triton':
+            triton_backend.reset_first_use()
+        as_gpu['on'] = backend == AS_GPU  # 'auto' takes the kernels for CPU tensors
+        try:
+            got = run(model, x, mode, 'auto' if backend == AS_GPU else backend, *args)
+        finally:
+            as_gpu['on'] = False
+    left = [str(w.message) for w in caught if triton_backend.LEFT_FOR_TORCH in str(w.message)]
+    return got, left[0] if left else ''
+
+
 def check_case(case: dict, device: str, tol: float, backend: str = 'auto') -> Optional[str]:
     """None if the case passes, else a line saying how it failed; the
     user's run on ``backend``."""
@@ -295,10 +326,12 @@ def check_case(case: dict, device: str, tol: float, backend: str = 'auto') -> Op
     if first is not None:
         first = (in_layout(case, first[0]),) + first[1:]
     try:
-        got = run(model, x, mode, backend, dtype, autocast, device, steps, first)
+        got, left = users_run(model, x, mode, backend, dtype, autocast, device, steps, first)
         base = run(plain, x.contiguous(), mode, 'reference', dtype, autocast, device, steps)
     except Exception as e:  # noqa: BLE001  (a failure to report)
         return f'raised {type(e).__name__}: {e}'
+    if left:
+        return f'the first-use check left the kernels: {left}'
     (out, out_name, grad, grad_name), base = errors(got, ref), errors(base, ref)
     low = case['precision'] != 'fp32'
     slack = (1e-2, 1e-2) if low else (tol, 10 * tol)
@@ -318,9 +351,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--device', default='cpu', help='where the model runs (cpu, cuda)')
     parser.add_argument('--families', nargs='+', choices=FAMILIES, default=list(FAMILIES))
-    parser.add_argument('--backend', choices=('auto', 'triton'), default='auto',
-                        help="the user's run: per call (default), or the Triton kernels "
-                        "(on CPU under Triton's interpreter)")
+    parser.add_argument('--backend', choices=('auto', 'triton', AS_GPU), default='auto',
+                        help="the user's run: per call (default), the Triton kernels (on "
+                        f"CPU under Triton's interpreter), or {AS_GPU}: per call as on a "
+                        "GPU, on CPU under the interpreter")
     parser.add_argument('--tol', type=float, default=1e-4,
                         help='fp32 outputs\' slack; ten times this for gradients (default 1e-4)')
     one = parser.add_argument_group('one released architecture instead of random cases')
@@ -351,16 +385,23 @@ def arch_case(args: argparse.Namespace) -> dict:
                 channels_last=False, warm=None)
 
 
+def check_backend(args: argparse.Namespace) -> None:
+    """SystemExit where ``--backend`` cannot run as asked."""
+    if args.backend != 'auto' and not triton_backend.AVAILABLE:
+        raise SystemExit(f'--backend {args.backend}: triton does not import')
+    on_cpu = not args.device.startswith('cuda')
+    if args.backend == AS_GPU and not on_cpu:
+        raise SystemExit(f'--backend {AS_GPU} runs on CPU; on a GPU --backend auto is the same')
+    if on_cpu and args.backend != 'auto' and os.environ.get('TRITON_INTERPRET') != '1':
+        raise SystemExit(f"--backend {args.backend} on a CPU runs Triton's interpreter: start "
+                         "the tool with TRITON_INTERPRET=1 (triton reads it when it is imported)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.startswith('cuda'):  # exact fp32 products, as the reference's
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    if args.backend == 'triton' and not triton_backend.AVAILABLE:
-        raise SystemExit('--backend triton: triton does not import')
-    if not args.device.startswith('cuda') and args.backend == 'triton' \
-            and os.environ.get('TRITON_INTERPRET') != '1':
-        raise SystemExit("--backend triton on a CPU runs Triton's interpreter: start the "
-                         "tool with TRITON_INTERPRET=1 (triton reads it when it is imported)")
+    check_backend(args)
     where = args.device + ('' if args.backend == 'auto' else f', {args.backend}')
     if args.arch:
         torch.manual_seed(args.seed)

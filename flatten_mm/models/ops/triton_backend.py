@@ -160,10 +160,21 @@ def gpu_supported(index: Optional[int]) -> bool:
     return _GPUS[index]
 
 
+# Off for users. Where it is on, 'auto' also takes the kernels for CPU tensors in
+# eager mode when they run under Triton's interpreter (thousands of times slower
+# than the CPU path): a GPU's choices, first-use check included, without a GPU
+# (tests; fuzz_backbones.py --backend auto-interpreted).
+INTERPRETER_AS_GPU = {'on': False}
+
+
 def auto_runs_on(device: torch.device) -> bool:
     """Whether ``'auto'`` may take the Triton ops (attention and the fused DWC) for
-    CUDA tensors on ``device``: the kernels import (:func:`importable`) and are
-    built for that GPU (:func:`gpu_supported`)."""
+    tensors on ``device``: CUDA ones where the kernels import (:func:`importable`)
+    and are built for that GPU (:func:`gpu_supported`); CPU ones only under
+    :data:`INTERPRETER_AS_GPU`."""
+    if device.type != 'cuda':  # (a compiled graph reads no switch: no guard on it)
+        return not torch.compiler.is_compiling() and INTERPRETER_AS_GPU['on'] and \
+            interpreted() and importable()
     return importable() and gpu_supported(device.index)
 
 
@@ -398,6 +409,14 @@ def _record(key: tuple) -> tuple:
     return key + ('forward', ) if torch.is_inference_mode_enabled() else key
 
 
+def reset_first_use() -> None:
+    """Forget which configurations were checked and any fallback to the torch
+    backend: under ``'auto'`` the next call of each configuration is checked
+    again (tests; fuzz_backbones.py checks the check in every case)."""
+    _AGREED.clear()
+    _KERNELS.pop('importable', None)
+
+
 def settled(key: tuple) -> bool:
     """Whether a call of configuration ``key`` needs no first-use check: not
     ``'auto'``, inside a compiled graph, or already checked (in training, with
@@ -478,13 +497,15 @@ def fall_back_on_first_failure(err: Exception, ran: bool, what: str) -> bool:
     return True
 
 
+LEFT_FOR_TORCH = "this process uses the 'torch' backend instead"  # in every such warning
+
+
 def _leave_for_torch(reason: str) -> None:
     """Warn with ``reason`` and make ``'auto'`` take the torch backend for the
     rest of the process (``supports()`` answers False from now on)."""
     _KERNELS['importable'] = False
-    warnings.warn(f"{reason}; this process uses the 'torch' backend instead (set "
-                  "FLATTEN_MM_ATTN_BACKEND=torch to choose it and silence this)",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(f'{reason}; {LEFT_FOR_TORCH} (set FLATTEN_MM_ATTN_BACKEND=torch to choose '
+                  'it and silence this)', RuntimeWarning, stacklevel=4)
 
 
 def auto_head_dim(dtype: torch.dtype) -> int:
@@ -494,12 +515,12 @@ def auto_head_dim(dtype: torch.dtype) -> int:
 
 def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
              num_heads: int) -> bool:
-    """``'auto'`` takes this backend for CUDA tensors of one supported dtype and
+    """``'auto'`` takes this backend for tensors of one supported dtype and
     heads up to :data:`MAX_HEAD_DIM` channels (:data:`MAX_EXACT_HEAD_DIM` for
-    fp32 without TF32) where :func:`auto_runs_on` their device. Shapes, heads
+    fp32 without TF32) where :func:`auto_runs_on` their device (CUDA). Shapes, heads
     dividing C and the mask's dtype the dispatcher has checked
     (:func:`.dispatch.check_call`)."""
-    return (q.device.type == 'cuda' and v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
+    return (v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
             and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and auto_runs_on(q.device))
 
 

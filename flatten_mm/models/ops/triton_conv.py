@@ -193,9 +193,10 @@ def _agrees_on_first_use(out: Tensor, x: Tensor, hw: Tuple[int, int], weight: Te
 
 def supports(out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
              extra: Extra = None) -> bool:
-    """``'auto'`` takes the fused op for CUDA tokens of one supported dtype with
-    biases (the extra part's too)."""
-    return (x.device.type == 'cuda' and x.dim() == 3 and x.dtype in DTYPES and
+    """``'auto'`` takes the fused op for tokens of one supported dtype with
+    biases (the extra part's too) where :func:`.triton_backend.auto_runs_on`
+    their device (CUDA)."""
+    return (x.dim() == 3 and x.dtype in DTYPES and
             out.dtype == x.dtype and bias is not None and
             (extra is None or extra[1] is not None) and auto_runs_on(x.device))
 

@@ -134,10 +134,24 @@ def test_strided_views_of_one_projection():
         assert rel_err(got, ref) < TOL[torch.float32], name
 
 
-def test_registered_and_not_auto_on_cpu():
+def test_registered_and_not_auto_on_cpu(monkeypatch):
+    """'auto' never sends CPU tensors to the kernels, but where the interpreter
+    stands in for a GPU (tb.INTERPRETER_AS_GPU, tests and fuzz_backbones.py):
+    then in eager mode under the interpreter, with the GPU's dtype and head limits."""
     assert 'triton' in available_backends()
     q, k, v, *_ = inputs(1, 4, 4, 8, torch.float32, device='cpu')
-    assert not tb.supports(q, k, v, None, 2)  # 'auto' never sends CPU tensors here
+    assert not tb.supports(q, k, v, None, 2)
+    monkeypatch.setitem(tb.INTERPRETER_AS_GPU, 'on', True)
+    assert tb.supports(q, k, v, None, 2) == tb.interpreted()
+    monkeypatch.setattr(tb, 'interpreted', lambda: True)
+    assert tb.supports(q, k, v, None, 2) and not tb.supports(q.double(), k, v, None, 2)
+    wide = torch.zeros(1, 4, 2 * (tb.MAX_EXACT_HEAD_DIM + 1))
+    assert not tb.supports(wide, wide, wide, None, 2)  # (exact fp32 on CPU)
+    compiled = torch.compile(lambda t: t + tb.supports(t, t, t, None, 2), fullgraph=True,
+                             backend='eager')
+    assert compiled(q).equal(q)  # not taken inside a compiled graph
+    monkeypatch.setattr(tb, 'interpreted', lambda: False)
+    assert not tb.supports(q, k, v, None, 2)
 
 
 def test_clear_errors(monkeypatch):

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from flatten_mm.models import FocusedLinearAttention
-from flatten_mm.models.ops import dispatch
 from flatten_mm.models.ops import triton_backend as tb
 from flatten_mm.models.ops import use_backend
 
@@ -126,11 +125,11 @@ def test_first_use_check_inside_gradient_checkpointing(monkeypatch, agree):
     the recomputation once it has left the kernels (torch raised
     ``CheckpointError`` there too), and the step equals the torch backend's.
     The interpreter stands in for a GPU: 'auto' takes the kernels for CPU
-    tensors. (All first-use checks run through one probe, ``tb._probe``.)"""
+    tensors (``tb.INTERPRETER_AS_GPU``). (All first-use checks run through one
+    probe, ``tb._probe``.)"""
     monkeypatch.setattr(tb, '_AGREED', set())
     monkeypatch.setitem(tb._KERNELS, 'importable', True)
-    for op in ('attention', 'conv_add', 'attention_local'):  # 'auto' takes the kernels
-        monkeypatch.setitem(dispatch._AUTO[op], 'triton', lambda *args: tb.importable())
+    monkeypatch.setitem(tb.INTERPRETER_AS_GPU, 'on', DEVICE.type == 'cpu')
     if not agree:
         monkeypatch.setattr(tb, 'AGREE_TOL', dict.fromkeys(tb.AGREE_TOL, -1.))
     plain = small_backbone('pvt', drop_path_rate=0.)
