@@ -14,8 +14,8 @@ from .version import __version__, check_torch
 check_torch(torch.__version__)  # before the modules that need its APIs
 
 from .checkpoint import load_checkpoint_file, load_pretrained, patch_mmengine_loading
-from .engine import (EmptyDatasetHook, PlainParamGroupsHook, RandomStateHook,
-                     patch_empty_dataset_error, setup_distributed)
+from .engine import (EagerOptimizerStepHook, EmptyDatasetHook, PlainParamGroupsHook,
+                     RandomStateHook, patch_empty_dataset_error, setup_distributed)
 from .models import (FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin,
                      FocusedLinearAttention, focusing_map, linear_attention)
 from .registry import register_openmmlab, register_timm
@@ -28,5 +28,5 @@ patch_empty_dataset_error()
 __all__ = ['__version__', 'FocusedLinearAttention', 'focusing_map', 'linear_attention',
            'FLattenPVT', 'FLattenPVTv2', 'FLattenSwin', 'FLattenCSwin', 'FLattenDeiT',
            'load_checkpoint_file',
-           'load_pretrained', 'EmptyDatasetHook', 'PlainParamGroupsHook', 'RandomStateHook',
-           'setup_distributed']
+           'load_pretrained', 'EmptyDatasetHook', 'PlainParamGroupsHook',
+           'EagerOptimizerStepHook', 'RandomStateHook', 'setup_distributed']

@@ -181,6 +181,30 @@ class PlainParamGroupsHook(Hook):
             optimizer.param_groups = [dict(group) for group in optimizer.param_groups]
 
 
+@HOOKS.register_module()
+class EagerOptimizerStepHook(Hook):
+    """Run every optimizer wrapper's ``step`` outside ``torch.compile``.
+
+    mmengine's ``compile=True`` compiles the whole ``train_step``, the
+    optimizer's step included. Under a ``paramwise_cfg`` mmengine makes one
+    parameter group per parameter, and dynamo compiles the step of each group
+    on its own, guarded on that group's parameters: after eight groups it warns
+    ``hit config.recompile_limit (8)`` in torch's optimizer and steps the others
+    eagerly. With this hook the step (gradient clipping, loss scaling and the
+    optimizer) is a graph break and runs eagerly for every group: the same
+    results, without those compilations or the warning. ``tools/train.py`` adds
+    it; with another training script add
+    ``custom_hooks=[dict(type='EagerOptimizerStepHook')]``.
+    """
+    priority = 'VERY_HIGH'
+
+    def before_train(self, runner) -> None:
+        for wrapper in _optim_wrappers(runner.optim_wrapper):
+            if not getattr(wrapper.step, '_eager_step', False):  # once (train() may run again)
+                wrapper.step = torch._dynamo.disable(wrapper.step)  # (a schedulers' wrapper too)
+                wrapper.step._eager_step = True
+
+
 def patch_empty_dataset_error() -> bool:
     """Make mmengine datasets that find no samples say so.
 

@@ -83,12 +83,12 @@ def test_index_skipper_crosses_epochs_of_a_finite_sampler():
     assert next(real).tolist() == [2, 3]
 
 
-def _adamw_with_paramwise_groups(model):
+def _adamw_with_paramwise_groups(model, **options):
     from mmengine.config import ConfigDict
     from mmengine.optim import build_optim_wrapper
     # as the Runner builds it: from a config's ConfigDict
     return build_optim_wrapper(model, ConfigDict(
-        optimizer=dict(type='AdamW', lr=1e-2, weight_decay=0.05),
+        optimizer=dict(type='AdamW', lr=1e-2, weight_decay=0.05, **options),
         paramwise_cfg=dict(custom_keys={'norm': dict(decay_mult=0.0)})))
 
 
@@ -123,6 +123,58 @@ def test_plain_param_groups_hook_lets_compile_trace_the_optimizer_step():
     for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
         torch.testing.assert_close(a, b)
     assert wrapper.optimizer.state_dict()['state'][0]['step'] == 2
+
+
+def test_eager_optimizer_step_hook_leaves_the_step_out_of_compiled_graphs():
+    """compile=True's train_step with our configs' optimizer (fused AdamW, one
+    parameter group per parameter under a paramwise_cfg, gradient clipping, a
+    scheduler that wraps the step): with the hook the step runs eagerly, so
+    fewer frames are compiled, as many for more groups, and the parameters
+    equal eager training. (In the demo Mask R-CNN dynamo compiled the step of
+    each group until its recompile limit: test_training_reliability.py.)"""
+    from mmengine.config import ConfigDict
+    from mmengine.optim import LinearLR, build_optim_wrapper
+    from torch._dynamo.testing import CompileCounter
+
+    from flatten_mm import EagerOptimizerStepHook, PlainParamGroupsHook
+
+    def make(layers, eager_step):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+        wrapper = build_optim_wrapper(model, ConfigDict(
+            optimizer=dict(type='AdamW', lr=1e-2, weight_decay=0.05, fused=True),
+            paramwise_cfg=dict(custom_keys={'norm': dict(decay_mult=0.0)}),
+            clip_grad=dict(max_norm=5.0)))
+        LinearLR(wrapper, start_factor=0.5, by_epoch=False, begin=0, end=10)
+        runner = SimpleNamespace(optim_wrapper=wrapper)
+        PlainParamGroupsHook().before_train(runner)
+        if eager_step:
+            EagerOptimizerStepHook().before_train(runner)
+            step = wrapper.step
+            EagerOptimizerStepHook().before_train(runner)  # a second train(): as it was
+            assert wrapper.step is step
+        assert len(wrapper.optimizer.param_groups) == 2 * layers
+        return model, wrapper
+
+    def step(model, wrapper):
+        wrapper.update_params(model(torch.ones(2, 4)).pow(2).sum())
+
+    def frames(layers, eager_step):
+        model, wrapper = make(layers, eager_step)
+        counter = CompileCounter()
+        compiled = torch.compile(step, backend=counter)
+        torch._dynamo.reset()
+        for _ in range(2):
+            compiled(model, wrapper)
+        return counter.frame_count, model
+
+    eager_model, eager = make(3, False)
+    for _ in range(2):
+        step(eager_model, eager)
+    (two, _), (three, model) = frames(2, True), frames(3, True)
+    for a, b in zip(eager_model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert two == three < frames(3, False)[0]
 
 
 def test_plain_param_groups_hook_converts_every_optimizer_of_a_dict():

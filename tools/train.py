@@ -39,8 +39,10 @@ def build_config(args):
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
     # random state in checkpoints, so --resume continues as if never stopped;
-    # a clear error for an empty dataset; optimizer steps that compile=True traces
-    add_hooks(cfg, 'RandomStateHook', 'EmptyDatasetHook', 'PlainParamGroupsHook')
+    # a clear error for an empty dataset; optimizer groups compile=True can trace
+    # (zero_grad) and an optimizer step it leaves eager (one group per parameter)
+    add_hooks(cfg, 'RandomStateHook', 'EmptyDatasetHook', 'PlainParamGroupsHook',
+              'EagerOptimizerStepHook')
     if args.resume == 'auto':
         cfg.resume = True
         cfg.load_from = None
