@@ -201,7 +201,7 @@ class EagerOptimizerStepHook(Hook):
     def before_train(self, runner) -> None:
         for wrapper in _optim_wrappers(runner.optim_wrapper):
             if not getattr(wrapper.step, '_eager_step', False):  # once (train() may run again)
-                wrapper.step = torch._dynamo.disable(wrapper.step)  # (a schedulers' wrapper too)
+                wrapper.step = torch._dynamo.disable(wrapper.step)  # (over a scheduler's)
                 wrapper.step._eager_step = True
 
 

@@ -298,6 +298,9 @@ def users_run(model: nn.Module, x: torch.Tensor, mode: str, backend: str, *args
         finally:
             as_gpu['on'] = False
     left = [str(w.message) for w in caught if triton_backend.LEFT_FOR_TORCH in str(w.message)]
+    for w in caught:  # the others, as they would have been shown
+        if triton_backend.LEFT_FOR_TORCH not in str(w.message):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return got, left[0] if left else ''
 
 
