@@ -170,8 +170,9 @@ class PlainParamGroupsHook(Hook):
     the whole ``train_step``, stops at the first step with "'UserDefinedDictVariable'
     object has no attribute 'items'" (torch 2.14). A resumed run already has
     plain dicts (the optimizer's ``load_state_dict`` rebuilds its groups); the
-    hook gives a fresh run the same. ``tools/train.py`` adds it; with another
-    training script add ``custom_hooks=[dict(type='PlainParamGroupsHook')]``.
+    hook gives a fresh run the same. For a training script that has dynamo
+    trace the step: with :class:`EagerOptimizerStepHook` (``tools/train.py``)
+    the step runs eagerly and the groups' type does not matter.
     """
     priority = 'VERY_HIGH'
 
@@ -192,8 +193,9 @@ class EagerOptimizerStepHook(Hook):
     ``hit config.recompile_limit (8)`` in torch's optimizer and steps the others
     eagerly. With this hook the step (gradient clipping, loss scaling and the
     optimizer) is a graph break and runs eagerly for every group: the same
-    results, without those compilations or the warning. ``tools/train.py`` adds
-    it; with another training script add
+    results, without those compilations or the warning, and ``ConfigDict``
+    groups (:class:`PlainParamGroupsHook`) are never traced. ``tools/train.py``
+    adds it; with another training script add
     ``custom_hooks=[dict(type='EagerOptimizerStepHook')]``.
     """
     priority = 'VERY_HIGH'

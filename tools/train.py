@@ -39,10 +39,8 @@ def build_config(args):
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
     # random state in checkpoints, so --resume continues as if never stopped;
-    # a clear error for an empty dataset; optimizer groups compile=True can trace
-    # (zero_grad) and an optimizer step it leaves eager (one group per parameter)
-    add_hooks(cfg, 'RandomStateHook', 'EmptyDatasetHook', 'PlainParamGroupsHook',
-              'EagerOptimizerStepHook')
+    # a clear error for an empty dataset; an optimizer step compile=True leaves eager
+    add_hooks(cfg, 'RandomStateHook', 'EmptyDatasetHook', 'EagerOptimizerStepHook')
     if args.resume == 'auto':
         cfg.resume = True
         cfg.load_from = None

@@ -245,10 +245,10 @@ def test_train_and_test_scripts_end_the_process_group(monkeypatch):
 
 @pytest.mark.heavy(93)
 def test_compile_trains_the_demo_mask_rcnn(shapes, tmp_path):
-    # mmengine's compile=True compiles the whole train_step: dynamo traces it
-    # only with PlainParamGroupsHook, and without EagerOptimizerStepHook it
-    # compiled the optimizer's step once a parameter group until its recompile
-    # limit (8); tools/train.py adds both. aot_eager keeps dynamo's tracing and AOT autograd
+    # mmengine's compile=True compiles the whole train_step: without
+    # EagerOptimizerStepHook, which tools/train.py adds, dynamo stopped at the
+    # optimizer's ConfigDict groups or (PlainParamGroupsHook) compiled its step
+    # once a group until its recompile limit (8). aot_eager keeps dynamo's tracing and AOT autograd
     # and skips Inductor's C++ code generation (minutes on this CPU); the
     # default backend is measured in docs/advanced.md.
     config = osp.join(ROOT, 'configs/demo/mask-rcnn_flatten-pvtv2-b0_fpn_shapes.py')

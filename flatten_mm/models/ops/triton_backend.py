@@ -520,8 +520,10 @@ def supports(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
     fp32 without TF32) where :func:`auto_runs_on` their device (CUDA). Shapes, heads
     dividing C and the mask's dtype the dispatcher has checked
     (:func:`.dispatch.check_call`)."""
-    return (v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
-            and q.shape[-1] // num_heads <= auto_head_dim(v.dtype) and auto_runs_on(q.device))
+    # the device first: on CPU every call ends there, before auto_head_dim reads
+    # torch's TF32 setting
+    return (auto_runs_on(q.device) and v.dtype in DTYPES and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] // num_heads <= auto_head_dim(v.dtype))
 
 
 if AVAILABLE:

@@ -196,9 +196,9 @@ def supports(out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
     """``'auto'`` takes the fused op for tokens of one supported dtype with
     biases (the extra part's too) where :func:`.triton_backend.auto_runs_on`
     their device (CUDA)."""
-    return (x.dim() == 3 and x.dtype in DTYPES and
+    return (auto_runs_on(x.device) and x.dim() == 3 and x.dtype in DTYPES and
             out.dtype == x.dtype and bias is not None and
-            (extra is None or extra[1] is not None) and auto_runs_on(x.device))
+            (extra is None or extra[1] is not None))
 
 
 if AVAILABLE:  # flatten_mm::triton_local_conv_add and its _backward (the kernel in parts;
