@@ -268,6 +268,21 @@ def map_to_tokens(x: Tensor) -> Tensor:
     return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1, x.shape[1])
 
 
+@torch.fx.wrap  # a call node in fx graphs: the widening depends on the input's width
+def widen_narrow_half_map(x: Tensor, stride: int, room: int) -> Tensor:
+    """x widened with zero columns to ``stride - room`` where it is a CPU map
+    in half precision (or under CPU autocast) that a conv of that horizontal
+    ``stride`` and ``room`` (twice its padding less its dilated reach) turns
+    into an output one pixel wide; else x itself. See :func:`strided_conv`."""
+    if x.device.type != 'cpu' or not (torch.is_autocast_enabled('cpu')
+                                      or x.dtype in (torch.bfloat16, torch.float16)):
+        return x
+    widest = stride - room  # the widest input with an output one pixel wide
+    if (x.shape[-1] + room - 1) // stride == 0 and widest > x.shape[-1]:
+        x = F.pad(x, (0, widest - x.shape[-1]))
+    return x
+
+
 def strided_conv(conv: nn.Module, x: Tensor) -> Tensor:
     """``conv`` (a strided nn.Conv2d) of the map x. In half precision on CPU,
     a map that gives an output one pixel wide is first widened with zero
@@ -279,18 +294,13 @@ def strided_conv(conv: nn.Module, x: Tensor) -> Tensor:
     5 %; ``Conv2d(16, 32, 7, 4, 3)`` on widths 1-3, 17 of 18. Outputs, with
     channels-last inputs, off by about 100 %: kernel = stride = 4, 8 or 16 on a
     map that wide, for some channel counts under 32 (16 for 8, 4 for 16). None
-    once widened (docs/advanced.md; upstream, pytorch/pytorch#169688). Not
-    under fx symbolic tracing: a traced graph keeps the plain conv."""
-    if is_fx_symbolic_tracing():  # (its sizes are proxies: the plain conv)
-        return conv(x)
-    if (x.device.type == 'cpu'
-            and (torch.is_autocast_enabled('cpu') or x.dtype in (torch.bfloat16, torch.float16))
-            and isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros'
+    once widened (docs/advanced.md; upstream, pytorch/pytorch#169688). Under
+    fx symbolic tracing the widening is one call node, decided when the graph
+    runs (a graph of the plain conv gave NaN weight gradients there)."""
+    if (isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros'
             and isinstance(conv.padding, tuple)):
         room = 2 * conv.padding[1] - conv.dilation[1] * (conv.kernel_size[1] - 1)
-        widest = conv.stride[1] - room  # the widest input with an output one pixel wide
-        if (x.shape[-1] + room - 1) // conv.stride[1] == 0 and widest > x.shape[-1]:
-            x = F.pad(x, (0, widest - x.shape[-1]))
+        x = widen_narrow_half_map(x, conv.stride[1], room)
     return conv(x)
 
 

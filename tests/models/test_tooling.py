@@ -10,8 +10,9 @@ from timm.layers import create_feature_extractor, get_notrace_functions, get_not
 
 import flatten_mm  # noqa: F401  (registers the models and their fx leaves in timm)
 from flatten_mm import FLattenCSwin, FLattenDeiT, FLattenPVT, FLattenPVTv2, FLattenSwin
+from flatten_mm.models import utils
 
-from backbone_checks import assert_grads_close, cache_state, loss_and_grads
+from backbone_checks import assert_grads_close, cache_state, loss_and_grads, relative_error
 
 # small classifiers of each family: one or two blocks per stage
 SMALL = {
@@ -57,6 +58,32 @@ def test_fx_feature_extractor_equals_eager_forward_and_backward(name):
     assert got[0].shape == (2, 10)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert_grads_close(got_grads, want_grads, 1e-5)
+
+
+def test_fx_graph_widens_narrow_half_maps_when_it_runs():
+    """CSwin's merges widen a map that their strided conv turns into one
+    column in CPU bf16 (PyTorch's kernel gets such weight gradients wrong).
+    A traced graph decides that when it runs, for each input: under bf16
+    autocast its merge convs' weight gradients are fp32's within 5 % at every
+    width that makes some merge's output one pixel wide (a graph of the plain
+    conv gave NaN or inf at each of them)."""
+    model = timm.create_model('flatten_cswin_tiny', **SMALL['flatten_cswin_tiny'],
+                              num_classes=10, drop_path_rate=0.).train()
+    fx_model = create_feature_extractor(model, ['head'])
+    assert any(node.target is utils.widen_narrow_half_map for node in fx_model.graph.nodes)
+
+    def merge_grads(run, x, half):
+        model.zero_grad()
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=half):
+            out = run(x)
+        out = out['head'] if isinstance(out, dict) else out
+        (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [model.get_submodule(f'merge{i}').conv.weight.grad.clone() for i in (1, 2, 3)]
+    for width in (4, 8, 16):  # (a stride-4 stem: merge1, merge2 and merge3 get one column)
+        x = torch.randn(2, 3, 64, width)
+        want = merge_grads(model, x, False)
+        for i, (got, ref) in enumerate(zip(merge_grads(fx_model, x, True), want)):
+            assert relative_error(got, ref) < 0.05, (width, i + 1, relative_error(got, ref))
 
 
 def trace_as_timm(model):
