@@ -75,9 +75,10 @@ def register_timm() -> bool:
 def register_fx_leaves() -> None:
     """Tell timm's torch.fx tracer (``create_feature_extractor``,
     ``features_only=True, feature_cls='fx'``) which parts to keep whole: those
-    whose control flow depends on the input size (padding to a multiple of a
-    stride, window partitions, positional-encoding resizes, the attention
-    core's hand-written autograd). Everything between them is traced."""
+    whose control flow depends on the input size or dtype (padding to a
+    multiple of a stride, window partitions, positional-encoding resizes, the
+    attention core's hand-written autograd, drop path's residual add).
+    Everything between them is traced."""
     from timm.layers import register_notrace_function, register_notrace_module
 
     from .models.attention import FocusedLinearAttention
@@ -85,8 +86,8 @@ def register_fx_leaves() -> None:
     from .models.backbones.flatten_cswin import ConvStem, CSwinBlock
     from .models.backbones.flatten_deit import ViTPatchEmbed
     from .models.backbones.flatten_swin import PatchMerging, SwinBlock
-    from .models.layers import PatchEmbed, SpatialReductionAttention, check_images
-    for module in (PatchEmbed, FocusedLinearAttention, SpatialReductionAttention,
+    from .models.layers import DropPath, PatchEmbed, SpatialReductionAttention, check_images
+    for module in (PatchEmbed, FocusedLinearAttention, SpatialReductionAttention, DropPath,
                    SwinBlock, PatchMerging, ConvStem, CSwinBlock, ViTPatchEmbed):
         register_notrace_module(module)
     for function in (cached_resize_parts, resize_parts, resize_weights, add_resized,

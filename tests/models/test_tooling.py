@@ -60,6 +60,23 @@ def test_fx_feature_extractor_equals_eager_forward_and_backward(name):
     assert_grads_close(got_grads, want_grads, 1e-5)
 
 
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_fx_feature_extractor_traces_stochastic_depth(name):
+    """With drop path (as models are trained), timm's extractor traces a
+    training graph too; drawn from the same seed, its logits and gradients
+    equal eager training's (PVT's, PVTv2's and DeiT's blocks could not be
+    traced: drop path's residual add branches on dtypes)."""
+    model = timm.create_model(name, **SMALL[name], num_classes=10, drop_path_rate=0.5).train()
+    fx_model = create_feature_extractor(model, ['head'])
+    x = torch.randn(2, 3, 40, 56)
+    want, want_grads = loss_and_grads(model, x)
+    got, got_grads = loss_and_grads(fx_model, x)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert_grads_close(got_grads, want_grads, 1e-5)
+    with torch.no_grad():  # (the inference graph: other logits, so drop path was at work)
+        assert not torch.allclose(fx_model.eval()(x)['head'], got[0], rtol=1e-3, atol=1e-4)
+
+
 def test_fx_graph_widens_narrow_half_maps_when_it_runs():
     """CSwin's merges widen a map that their strided conv turns into one
     column in CPU bf16 (PyTorch's kernel gets such weight gradients wrong).
