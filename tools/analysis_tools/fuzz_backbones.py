@@ -22,7 +22,9 @@ autocast, in 10 % instead a model and images in bf16 or fp16 (``.half()`` or
 layout (else in 15 % images with rows and columns swapped in memory), and in
 30 % a first call on other images (at the same size or another, in any mode,
 under autocast or not) followed by an in-place change of every parameter, as
-an optimiser step or EMA update makes it.
+an optimiser step or EMA update makes it; and in 10 % of cases without
+checkpointing the model traced by torch.fx as timm's feature extractor traces
+it (:func:`fx_traced`), its graphs run for both calls.
 
 With ``--arch`` it checks one released architecture instead (its defaults,
 batch 1, at ``--size``, 800x1333 unless given, in ``--mode`` and
@@ -170,7 +172,27 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
                                                           rng.randint(low, 90)))
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
                 size=size, mode=mode, precision=precision, channels_last=rng.random() < 0.2,
-                transposed=rng.random() < 0.15, warm=warm)
+                transposed=rng.random() < 0.15, warm=warm,
+                fx=rng.random() < 0.1 and not kw['with_cp'])  # (fx cannot trace checkpoints)
+
+
+def fx_traced(model: nn.Module) -> nn.Module:
+    """``model`` as timm's torch.fx feature extractor runs it: traced with
+    timm's leaf modules and functions (ours registered by flatten_mm), a graph
+    for training and one for inference (torchvision's ``DualGraphModule``,
+    which ``train()`` switches), each run at every size and precision."""
+    from timm.layers import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import DualGraphModule
+    leaves = tuple(get_notrace_modules())
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return isinstance(m, leaves) or super().is_leaf_module(m, qualname)
+    training = model.training
+    graphs = [Tracer(autowrap_functions=tuple(get_notrace_functions())).trace(model.train(mode))
+              for mode in (True, False)]
+    model.train(training)
+    return DualGraphModule(model, *graphs, class_name=type(model).__name__).train(training)
 
 
 def build(case: dict) -> nn.Module:
@@ -216,8 +238,9 @@ def call(model: nn.Module, x: torch.Tensor, mode: str, backend: str,
     if x.requires_grad:
         sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum()
             for o in outs).backward()
-        grads = [('input', x.grad.double().cpu())] + [
-            (n, p.grad.double().cpu()) for n, p in model.named_parameters() if p.grad is not None]
+        grads = [('input', x.grad.double().cpu())] + sorted(  # (by name: an fx graph's
+            (n, p.grad.double().cpu())  # modules are in the order the graph calls them)
+            for n, p in model.named_parameters() if p.grad is not None)
     return ([(f'output {i}', o.detach().double().cpu()) for i, o in enumerate(outs)]
             + sorted(layers.items()), grads)
 
@@ -266,6 +289,13 @@ def errors(got: tuple, ref: tuple) -> Tuple[float, str, float, str]:
         return out, out_name, 0., ''
     return (out, out_name) + largest(got[1], ref[1],
                                      1e-3 * max(g.norm().item() for _, g in ref[1]))
+
+
+def recorded_only(outputs: Tuple[Named, Named], names: set) -> Tuple[Named, Named]:
+    """``outputs`` (as :func:`call` returns them) without the attention
+    layers' outputs not in ``names``; the model's outputs all stay."""
+    kept = [(n, t) for n, t in outputs[0] if n in names or n.startswith('output ')]
+    return kept, outputs[1]
 
 
 def in_layout(case: dict, images: torch.Tensor) -> torch.Tensor:
@@ -329,12 +359,16 @@ def check_case(case: dict, device: str, tol: float, backend: str = 'auto') -> Op
     if first is not None:
         first = (in_layout(case, first[0]),) + first[1:]
     try:
+        if case.get('fx'):
+            model = fx_traced(model)
         got, left = users_run(model, x, mode, backend, dtype, autocast, device, steps, first)
         base = run(plain, x.contiguous(), mode, 'reference', dtype, autocast, device, steps)
     except Exception as e:  # noqa: BLE001  (a failure to report)
         return f'raised {type(e).__name__}: {e}'
     if left:
         return f'the first-use check left the kernels: {left}'
+    if case.get('fx'):  # attention layers the trace inlined have no hook that records them
+        ref, base = (recorded_only(r, {name for name, _ in got[0]}) for r in (ref, base))
     (out, out_name, grad, grad_name), base = errors(got, ref), errors(base, ref)
     low = case['precision'] != 'fp32'
     slack = (1e-2, 1e-2) if low else (tol, 10 * tol)
