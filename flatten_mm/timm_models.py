@@ -12,6 +12,7 @@ from typing import Optional
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import FeatureGetterNet
 
 from .conversion import checkpoint_filter_fn
 from .models.backbones.flatten_deit import quarter_ends
@@ -55,6 +56,22 @@ default_cfgs = generate_default_cfgs({
 })
 
 
+def check_feature_cls(variant: str, kwargs: dict) -> None:
+    """ValueError where ``features_only`` asks for another feature class than
+    timm's getter: the hook, fx, dict and list classes take the outputs of
+    the modules ``feature_info`` names, and a stage's modules give tokens
+    without their grid (or a list of blocks that is never called: hooks on it
+    gave no features at all), not the maps the getter returns."""
+    feature_cls = kwargs.get('feature_cls', 'getter')
+    if kwargs.get('features_only') and not (
+            isinstance(feature_cls, str) and feature_cls.lower() == 'getter'
+            or isinstance(feature_cls, type) and issubclass(feature_cls, FeatureGetterNet)):
+        raise ValueError(
+            f"{variant}: features_only takes feature_cls='getter' (the default: NCHW maps "
+            f"of the stages), got {feature_cls!r}; for a torch.fx graph of the classifier "
+            f"use timm.layers.create_feature_extractor")
+
+
 def _create(cls, variant: str, pretrained: bool = False, out_indices=(0, 1, 2, 3),
             img_size=None, defaults: Optional[dict] = None, **kwargs):
     """``defaults``: the variant's settings, which the caller's ``kwargs`` override."""
@@ -64,6 +81,7 @@ def _create(cls, variant: str, pretrained: bool = False, out_indices=(0, 1, 2, 3
                             f'(got {img_size!r} and {kwargs["pretrain_img_size"]!r})')
         kwargs['pretrain_img_size'] = img_size
     kwargs = dict(defaults or {}, **kwargs)
+    check_feature_cls(variant, kwargs)
     return build_model_with_cfg(
         cls, variant, pretrained,
         # timm loads another class count non-strictly: the filter checks the rest

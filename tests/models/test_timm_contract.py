@@ -2,9 +2,12 @@
 classifier API (forward_features / forward_head / reset_classifier /
 global_pool), gradient checkpointing, forward_intermediates and
 prune_intermediate_layers, features_only, and no parameter left unused."""
+import re
+
 import pytest
 import timm
 import torch
+from timm.models._features import FeatureGetterNet, FeatureHookNet
 
 import flatten_mm  # noqa: F401  (registers the models in timm)
 from flatten_mm.registry import TIMM_MODELS
@@ -163,6 +166,22 @@ def test_features_only(name):
         (c, 96 // s, 64 // s) for c, s in zip(model.feature_info.channels(), (8, 32))]
     # stages after the last one taken are gone, and so is the head
     assert not any('head' in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize('feature_cls', ['hook', 'fx', 'dict', 'list', FeatureHookNet])
+def test_features_only_refuses_other_feature_classes(feature_cls):
+    """timm's other feature classes take the outputs of the modules
+    feature_info names: tokens without their grid here, or for the hook
+    class no features at all (its hooks sat on lists of blocks that are
+    never called: PVT, Swin and CSwin gave empty lists). They stop with the
+    value named; the getter (the default, and by name or class) gives maps."""
+    with pytest.raises(ValueError, match=f"flatten_pvt_tiny: features_only takes "
+                       f"feature_cls='getter' .*, got {re.escape(repr(feature_cls))}"):
+        small('flatten_pvt_tiny', features_only=True, feature_cls=feature_cls)
+    for getter in ('Getter', FeatureGetterNet):
+        model = small('flatten_pvt_tiny', features_only=True, feature_cls=getter)
+        assert isinstance(model, FeatureGetterNet)
+        assert model(torch.randn(1, 3, 64, 64))[0].shape == (1, 64, 16, 16)
 
 
 def test_registered_names_match_the_table_tools_use():
