@@ -73,12 +73,11 @@ def register_timm() -> bool:
 
 
 def register_fx_leaves() -> None:
-    """Tell timm's torch.fx tracer (``create_feature_extractor``,
-    ``features_only=True, feature_cls='fx'``) which parts to keep whole: those
-    whose control flow depends on the input size or dtype (padding to a
-    multiple of a stride, window partitions, positional-encoding resizes, the
-    attention core's hand-written autograd, drop path's residual add).
-    Everything between them is traced."""
+    """Tell timm's torch.fx tracer (``timm.layers.create_feature_extractor``)
+    which parts to keep whole: those whose control flow depends on the input
+    size or dtype (padding to a multiple of a stride, window partitions,
+    positional-encoding resizes, the attention core's hand-written autograd,
+    drop path's residual add). Everything between them is traced."""
     from timm.layers import register_notrace_function, register_notrace_module
 
     from .models.attention import FocusedLinearAttention
