@@ -88,7 +88,7 @@ def only_at_traced_size(x: Tensor) -> Tensor:
     With H and W recorded as constants, ``narrow`` fails on a smaller side and
     ``expand`` on a larger one (it passes a side of 1, which ``narrow``
     stops); ``expand_as`` keeps both in the graph at no cost."""
-    H, W = (s if isinstance(s, int) else int(s.tolist()) for s in x.shape[-2:])  # constants
+    H, W = torch.tensor(x.shape[-2:]).tolist()  # constants in the graph, not sizes read
     return x.narrow(-2, 0, H).narrow(-1, 0, W).expand_as(x.expand(-1, -1, H, W))
 
 
