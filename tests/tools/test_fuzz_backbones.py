@@ -215,30 +215,32 @@ def test_a_fault_of_shared_code_is_caught(monkeypatch, autocast):
     assert float(words[-1]) > fuzz_backbones.OUTPUT_CAP[True]  # the reference formula's too
 
 
-@pytest.mark.parametrize('fx,widened_in_graphs', [(False, False), (True, False), (True, True)])
-def test_a_fault_of_fx_graphs_is_caught(monkeypatch, fx, widened_in_graphs):
-    """A case traced as timm's fx feature extractor traces runs the graph.
-    CSwin's merges with their widening of narrow maps (in CPU bf16) left out
-    of fx graphs, as it once was: such a graph's merge weight gradients are
-    far off (NaN, inf or huge; 16 of 16 tries) at an input 8 pixels wide, so
-    the traced case fails and the eager one passes; with the widening in the
-    graph, the traced case passes."""
+@pytest.mark.parametrize('fx,fault_in_graphs', [(False, True), (True, True), (True, False)])
+def test_a_fault_of_fx_graphs_is_caught(monkeypatch, fx, fault_in_graphs):
+    """A case traced as timm's fx feature extractor traces runs the graph:
+    CSwin's merges reversing their channels in fx graphs only fail the traced
+    case and not the eager one. Without that fault the traced case passes, in
+    bf16 at an input 8 pixels wide (graphs once kept the plain merge conv
+    there, whose weight gradients PyTorch's CPU bf16 kernel gets wrong: NaN,
+    inf or huge in most runs, not in all, so that fault is not the one made
+    here)."""
     from torch.fx._symbolic_trace import is_fx_symbolic_tracing
     from flatten_mm.models import utils
     from flatten_mm.models.backbones import flatten_cswin
 
-    def plain_in_graphs(conv, x):
-        return conv(x) if is_fx_symbolic_tracing() else utils.strided_conv(conv, x)
-    if not widened_in_graphs:
-        monkeypatch.setattr(flatten_cswin, 'strided_conv', plain_in_graphs)
+    def reversed_in_graphs(conv, x):
+        out = utils.strided_conv(conv, x)
+        return out.flip(1) if is_fx_symbolic_tracing() else out
+    if fault_in_graphs:
+        monkeypatch.setattr(flatten_cswin, 'strided_conv', reversed_in_graphs)
     case = dict(family='cswin', batch=2, size=(64, 8), mode='train', precision='bf16',
                 channels_last=False, warm=None, fx=fx, kwargs=dict(
                     embed_dims=16, num_heads=[2, 2, 4, 4], depths=[1, 1, 1, 1],
                     attn_type='LLLS', drop_path_rate=0.))
     problem = fuzz_backbones.check_case(case, 'cpu', 1e-4)
-    if fx and not widened_in_graphs:
-        words = (problem or '').split()  # (the worst: a merge's, or one NaN reached)
-        assert words[4:5] == ['gradients'] and float(words[5]) > 1, problem
+    if fx and fault_in_graphs:
+        words = (problem or '').split()
+        assert words[:2] == ['bf16', 'outputs'] and float(words[2]) > 0.1, problem
     else:
         assert problem is None, problem
 
