@@ -22,9 +22,9 @@ autocast, in 10 % instead a model and images in bf16 or fp16 (``.half()`` or
 layout (else in 15 % images with rows and columns swapped in memory), and in
 30 % a first call on other images (at the same size or another, in any mode,
 under autocast or not) followed by an in-place change of every parameter, as
-an optimiser step or EMA update makes it; and in 10 % of cases without
-checkpointing the model traced by torch.fx as timm's feature extractor traces
-it (:func:`fx_traced`), its graphs run for both calls.
+an optimiser step or EMA update makes it; and in 10 % of cases the model
+traced by torch.fx as timm's feature extractor traces it (:func:`fx_traced`),
+its graphs run for both calls.
 
 With ``--arch`` it checks one released architecture instead (its defaults,
 batch 1, at ``--size``, 800x1333 unless given, in ``--mode`` and
@@ -173,7 +173,7 @@ def random_case(rng: random.Random, families=FAMILIES) -> dict:
     return dict(family=family, kwargs=dict(kw, attn_type=stages), batch=rng.choice([1, 2, 3]),
                 size=size, mode=mode, precision=precision, channels_last=rng.random() < 0.2,
                 transposed=rng.random() < 0.15, warm=warm,
-                fx=rng.random() < 0.1 and not kw['with_cp'])  # (fx cannot trace checkpoints)
+                fx=rng.random() < 0.1)
 
 
 def fx_traced(model: nn.Module) -> nn.Module:

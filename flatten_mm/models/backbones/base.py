@@ -171,8 +171,12 @@ class FLattenBackbone(BaseModule):
         return self
 
     def run_block(self, block: nn.Module, *args):
-        """Call a block, through gradient checkpointing when ``with_cp``."""
-        if self.with_cp and self.training and any(
+        """Call a block, through gradient checkpointing when ``with_cp``.
+
+        A torch.fx graph (timm's ``create_feature_extractor``) holds the
+        block's ops without checkpointing, as timm's own models trace: the
+        same values, with the memory of ``with_cp=False``."""
+        if self.with_cp and self.training and not torch.fx._symbolic_trace.is_fx_tracing() and any(
                 a.requires_grad for a in args if hasattr(a, 'requires_grad')):
             # (traced: torch.compile, make_fx and AOTAutograd take no context but
             # their own, and choose the backend when tracing)
