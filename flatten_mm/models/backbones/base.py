@@ -9,6 +9,7 @@ import torch
 import torch.utils.checkpoint as cp
 from mmengine.model import BaseModule
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...checkpoint import load_pretrained
@@ -176,7 +177,7 @@ class FLattenBackbone(BaseModule):
         A torch.fx graph (timm's ``create_feature_extractor``) holds the
         block's ops without checkpointing, as timm's own models trace: the
         same values, with the memory of ``with_cp=False``."""
-        if self.with_cp and self.training and not torch.fx._symbolic_trace.is_fx_tracing() and any(
+        if self.with_cp and self.training and not is_fx_symbolic_tracing() and any(
                 a.requires_grad for a in args if hasattr(a, 'requires_grad')):
             # (traced: torch.compile, make_fx and AOTAutograd take no context but
             # their own, and choose the backend when tracing)
