@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import interpreter
 from .dispatch import exact_fp32
 from .reference import EPS
 
@@ -490,6 +491,8 @@ def _interpreting() -> bool:
 
 
 INTERPRETED = _interpreting()  # fixed when triton.jit decorated the kernels above
+if INTERPRETED:  # the interpreter patches triton.language once a launch, not once a call
+    interpreter.install()
 # Eight warps: with four, a program's (BLOCK_N, BD) fp32 blocks, its d x d state
 # and the mapping's temporaries overflow the register file (spills) at d = 64.
 NUM_WARPS = 8
