@@ -42,21 +42,21 @@ def install() -> bool:
         return False
     languages = (tl, tl.core)
     done: set = set()  # module sets patched in the running launch
-    launch = {'depth': 0}
+    launch = {'running': False}
 
     def patch_once(fn: Callable):
         modules = _modules(fn, languages)
-        if launch['depth'] and modules in done:
+        if launch['running'] and modules in done:
             return scope_type()  # nothing to change, nothing to restore
         scope = _STATE['original'](fn)
         done.add(modules)
-        if launch['depth']:  # a call inside the kernel: the interpreter keeps no scope
+        if launch['running']:  # a call inside the kernel: the interpreter keeps no scope
             return scope
-        launch['depth'] = 1
+        launch['running'] = True  # a launch: its scope is restored when it ends
         restore = scope.restore
 
         def end_of_launch() -> None:
-            launch['depth'] = 0
+            launch['running'] = False
             done.clear()
             restore()
         scope.restore = end_of_launch
