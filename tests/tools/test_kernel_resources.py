@@ -120,16 +120,15 @@ def test_bf16_kernels_build_for_sm80_without_spills(tmp_path):
 
 
 @pytest.mark.skipif(not nvidia_backend(), reason='triton without its NVIDIA backend and ptxas')
-@pytest.mark.parametrize('arch,dtypes', [(100, ('bf16', 'fp16')), (103, ('bf16',)),
-                                         (120, ('bf16', 'fp16'))])
-@pytest.mark.heavy(21)
-def test_half_kernels_build_for_blackwell_without_spills(tmp_path, arch, dtypes):
-    """B200 and B300 (sm_100, sm_103: tcgen05 dots), and the RTX 50 series
-    (sm_120: warp-level dots, where the fused one-head query pass spilled 212
-    bytes at d = 64, bf16). fp16 builds as bf16 but for the dots' type: the
-    B300 builds bf16 only, to keep the suite short."""
-    by_case = build(tmp_path, arch, '--dtypes', *dtypes)
-    assert len(by_case) == 4 * len(dtypes)
+@pytest.mark.parametrize('arch', [100, 120])
+def test_bf16_kernels_build_for_blackwell_without_spills(tmp_path, arch):
+    """B200 (sm_100: tcgen05 dots) and the RTX 50 series (sm_120: warp-level
+    dots, where the fused one-head query pass spilled 212 bytes at d = 64).
+    fp16 builds as bf16 but for the dots' type, and the B300 (sm_103) as the
+    B200: those builds are left to the tool (docs/tests.md), to keep the suite
+    short (a build without triton's cache takes 6 s a case and dtype)."""
+    by_case = build(tmp_path, arch, '--dtypes', 'bf16')
+    assert len(by_case) == 4
     # every dot on tensor cores (build): on sm_100 the 64-wide products take
     # Blackwell's MMA; sm_120 has only the warp-level one
     tcgen05 = {(r['case'], r['kernel']) for rows in by_case.values() for r in rows
