@@ -581,6 +581,32 @@ def test_onnx_export_runs_in_onnxruntime(tmp_path):
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
+@pytest.mark.parametrize('kind', ['pvt', 'swin'])
+def test_torchscript_onnx_exporter_runs_in_onnxruntime(kind, tmp_path):
+    """torch.onnx.export's TorchScript exporter (``dynamo=False``, as
+    mmdeploy exports) at a fixed size that stages pad: onnxruntime's outputs
+    equal eager. It failed in its peephole pass on the attention's and the
+    conv's Python autograd functions (``IndexError: Argument passed to at()
+    was not in the map``; its trace now records their plain ops), then at
+    sizes that pad on the shared DWC kernel's traced repeat count (now ints).
+    (CSwin still stops at export: docs/tooling.md.)"""
+    ort = pytest.importorskip('onnxruntime')
+    model = dict(pvt=lambda: FLattenPVT(arch='tiny', depths=[1, 1, 1, 1]),
+                 swin=lambda: FLattenSwin(embed_dims=32, depths=[2, 2, 2, 2],
+                                          num_heads=[1, 2, 4, 8]))[kind]().eval()
+    x = torch.randn(1, 3, 64, 72)
+    path = str(tmp_path / f'{kind}.onnx')
+    torch.onnx.export(model, (x,), path, dynamo=False)
+    session = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        want = model(x)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
 @pytest.mark.parametrize('name', ['flatten_pvt_tiny', 'flatten_swin_tiny'])
 def test_torchscript_is_refused_clearly_and_trace_works(name):
     """torch.jit.script cannot compile the attention's autograd function:

@@ -66,7 +66,7 @@ def depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     channels-last map): there, :class:`DepthwiseConvFn`'s weight gradient, a
     grouped convolution with an H x W kernel, would fall to a generic kernel.
     """
-    if x.device.type == 'cpu':
+    if x.device.type == 'cpu' and not (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()):
         return DepthwiseConvFn.apply(x, weight, bias)
     return plain_depthwise_conv(x, weight, bias)
 
@@ -195,13 +195,15 @@ def merged_kernel(C: int, weight: Tensor, bias: Optional[Tensor], extra: Extra =
     Both are centred, zero-padded convs, so their kernels add, the smaller
     zero-padded to K = max(K1, K2). The parts themselves where they are one
     kernel over C channels."""
+    # (ints: channel counts and kernel sizes are the parameters', and a jit
+    # trace, as the TorchScript ONNX exporter's, then keeps the kernel's shape)
     if weight.shape[0] != C:
-        groups = C // weight.shape[0]
+        groups = int(C) // int(weight.shape[0])
         weight = weight.repeat(groups, 1, 1, 1)
         bias = None if bias is None else bias.repeat(groups)
     if extra is None:
         return weight, bias
-    k = max(weight.shape[-1], extra[0].shape[-1])
+    k = max(int(weight.shape[-1]), int(extra[0].shape[-1]))
     weight = padded_to(weight, k) + padded_to(extra[0], k)
     if extra[1] is not None:
         bias = extra[1] if bias is None else bias + extra[1]

@@ -93,6 +93,11 @@ def choose(op: str, *args) -> str:
     """The backend of ``op`` a call with these arguments runs on: the override,
     or under ``'auto'`` the first backend that supports them; ``'torch'`` where
     the op has no backend of the override's name."""
+    if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
+        # torch.onnx.export's TorchScript exporter: plain ops. It cannot export a
+        # Python autograd function or a Triton op (it failed in its peephole
+        # pass); a plain jit trace keeps them (mmengine's FLOP counts read them)
+        return 'reference' if 'reference' in _BACKENDS[op] else 'torch'
     name = _OVERRIDE['name']
     if name == 'auto':
         return next((c for c, supports in _AUTO.get(op, {}).items() if supports(*args)),
