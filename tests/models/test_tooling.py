@@ -566,12 +566,16 @@ def test_torch_export_keeps_autocast_inside_forward(kind):
 def test_onnx_export_runs_in_onnxruntime(tmp_path):
     """FLatten-PVT-T's backbone through torch.onnx (dynamo exporter) and
     onnxruntime's CPU provider, against eager."""
-    ort = pytest.importorskip('onnxruntime')
     model = FLattenPVT(arch='tiny', drop_path_rate=0.).eval()
-    x = torch.randn(1, 3, 96, 128)
-    path = str(tmp_path / 'flatten_pvt_t.onnx')
-    torch.onnx.export(model, (x,), path, dynamo=True)
-    session = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    exported_equals_eager(model, torch.randn(1, 3, 96, 128), tmp_path / 'pvt.onnx', True)
+
+
+def exported_equals_eager(model, x, path, dynamo: bool) -> None:
+    """``model`` exported by torch.onnx at x's size: onnxruntime's CPU
+    provider gives its four stage outputs, as eager."""
+    ort = pytest.importorskip('onnxruntime')
+    torch.onnx.export(model, (x,), str(path), dynamo=dynamo)
+    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
     got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     with torch.no_grad():
         want = model(x)
@@ -590,20 +594,10 @@ def test_torchscript_onnx_exporter_runs_in_onnxruntime(kind, tmp_path):
     was not in the map``; its trace now records their plain ops), then at
     sizes that pad on the shared DWC kernel's traced repeat count (now ints).
     (CSwin still stops at export: docs/tooling.md.)"""
-    ort = pytest.importorskip('onnxruntime')
     model = dict(pvt=lambda: FLattenPVT(arch='tiny', depths=[1, 1, 1, 1]),
                  swin=lambda: FLattenSwin(embed_dims=32, depths=[2, 2, 2, 2],
                                           num_heads=[1, 2, 4, 8]))[kind]().eval()
-    x = torch.randn(1, 3, 64, 72)
-    path = str(tmp_path / f'{kind}.onnx')
-    torch.onnx.export(model, (x,), path, dynamo=False)
-    session = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
-    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    with torch.no_grad():
-        want = model(x)
-    assert len(got) == len(want) == 4
-    for a, b in zip(got, want):
-        torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-4, atol=1e-4)
+    exported_equals_eager(model, torch.randn(1, 3, 64, 72), tmp_path / f'{kind}.onnx', False)
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
