@@ -102,6 +102,14 @@ def is_exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
+def in_onnx_trace() -> bool:
+    """Whether torch.onnx.export's TorchScript exporter (``dynamo=False``) is
+    tracing: it exports plain ops, not a Python autograd function or a Triton
+    op (on those it failed in its peephole pass). A plain jit trace keeps them
+    (mmengine's FLOP counts read them)."""
+    return torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()
+
+
 def _under_tensor_mode() -> bool:
     """Whether a fake or proxy tensor mode is active (``make_fx``, fake-tensor
     shape propagation): the tensors made then must not outlive it."""

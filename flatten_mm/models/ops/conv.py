@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from ..utils import autocast_input, is_exporting, map_to_tokens, must_call, tokens_to_map
+from ..utils import (autocast_input, in_onnx_trace, is_exporting, map_to_tokens, must_call,
+                     tokens_to_map)
 from .dispatch import backend_of, register_backend, register_op_pair
 
 
@@ -66,7 +67,7 @@ def depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     channels-last map): there, :class:`DepthwiseConvFn`'s weight gradient, a
     grouped convolution with an H x W kernel, would fall to a generic kernel.
     """
-    if x.device.type == 'cpu' and not (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()):
+    if x.device.type == 'cpu' and not in_onnx_trace():
         return DepthwiseConvFn.apply(x, weight, bias)
     return plain_depthwise_conv(x, weight, bias)
 

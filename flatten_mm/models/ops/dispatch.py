@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..utils import autocast_off
+from ..utils import autocast_off, in_onnx_trace
 from .autograd import FocusedLinearAttentionFn
 from .reference import focusing_map, linear_attention
 
@@ -93,10 +93,7 @@ def choose(op: str, *args) -> str:
     """The backend of ``op`` a call with these arguments runs on: the override,
     or under ``'auto'`` the first backend that supports them; ``'torch'`` where
     the op has no backend of the override's name."""
-    if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
-        # torch.onnx.export's TorchScript exporter: plain ops. It cannot export a
-        # Python autograd function or a Triton op (it failed in its peephole
-        # pass); a plain jit trace keeps them (mmengine's FLOP counts read them)
+    if in_onnx_trace():  # the formula's plain ops
         return 'reference' if 'reference' in _BACKENDS[op] else 'torch'
     name = _OVERRIDE['name']
     if name == 'auto':

@@ -5,9 +5,9 @@ The interpreter runs a kernel as Python, with the builtins of the
 ``triton.language`` modules the kernel's globals hold replaced by NumPy ones
 for the launch. Every call of a ``@triton.jit`` function from inside a kernel
 (our helpers, ``tl.max``, ``tl.sum``…) patches the modules of *its* globals
-again: ``inspect.getmembers`` over four modules, about a millisecond, for
-patches already in place. A training step of a small Swin on the kernels makes
-thousands of such calls, three quarters of its time.
+again (``inspect.getmembers`` over four modules), patches already in place:
+thousands of calls in a layer's training step, over a quarter of its time (C
+= 32, two heads, 60 tokens: 4.2 s with them, 3.0 s without).
 
 :func:`install` keeps the interpreter's own patching and skips a call's
 when the same modules were already patched in the running launch: the modules
