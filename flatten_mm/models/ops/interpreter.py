@@ -42,21 +42,23 @@ def install() -> bool:
         return False
     languages = (tl, tl.core)
     done: set = set()  # module sets patched in the running launch
-    launch = {'running': False}
+    running = False
 
     def patch_once(fn: Callable):
+        nonlocal running
         modules = _modules(fn, languages)
-        if launch['running'] and modules in done:
+        if running and modules in done:
             return scope_type()  # nothing to change, nothing to restore
         scope = _STATE['original'](fn)
         done.add(modules)
-        if launch['running']:  # a call inside the kernel: the interpreter keeps no scope
+        if running:  # a call inside the kernel: the interpreter keeps no scope
             return scope
-        launch['running'] = True  # a launch: its scope is restored when it ends
+        running = True  # a launch: its scope is restored when it ends
         restore = scope.restore
 
         def end_of_launch() -> None:
-            launch['running'] = False
+            nonlocal running
+            running = False
             done.clear()
             restore()
         scope.restore = end_of_launch
