@@ -85,11 +85,14 @@ def only_at_traced_size(x: Tensor) -> Tensor:
     it gave wrong outputs where nothing failed (traced at 64x64, at 64x72:
     FLatten-PVT-T's logits off by up to 0.29, FLatten-DeiT-T's by 0.18).
 
-    With H and W recorded as constants, ``narrow`` fails on a smaller side and
-    ``expand`` on a larger one (it passes a side of 1, which ``narrow``
-    stops); ``expand_as`` keeps both in the graph at no cost."""
+    With H and W recorded as constants, ``expand`` fails on a side other than
+    H (W) but 1, and ``reshape`` on H x W pixels of another count: together
+    every other size, also in an ONNX graph (torch.onnx's TorchScript exporter
+    with dynamic axes), whose ``Slice`` clamps where ``narrow`` failed, so a
+    side of 1 ran there as if broadcast. ``expand_as`` keeps both in the graph
+    at no cost; the batch and channels are read (dynamic)."""
     H, W = torch.tensor(x.shape[-2:]).tolist()  # constants in the graph, not sizes read
-    return x.narrow(-2, 0, H).narrow(-1, 0, W).expand_as(x.expand(-1, -1, H, W))
+    return x.reshape(x.shape[0], x.shape[1], H, W).expand_as(x.expand(-1, -1, H, W))
 
 
 def is_exporting() -> bool:

@@ -585,19 +585,47 @@ def exported_equals_eager(model, x, path, dynamo: bool) -> None:
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
-@pytest.mark.parametrize('kind', ['pvt', 'swin'])
+@pytest.mark.parametrize('kind', ['pvt', 'swin', 'cswin'])
 def test_torchscript_onnx_exporter_runs_in_onnxruntime(kind, tmp_path):
     """torch.onnx.export's TorchScript exporter (``dynamo=False``, as
     mmdeploy exports) at a fixed size that stages pad: onnxruntime's outputs
     equal eager. It failed in its peephole pass on the attention's and the
     conv's Python autograd functions (``IndexError: Argument passed to at()
     was not in the map``; its trace now records their plain ops), then at
-    sizes that pad on the shared DWC kernel's traced repeat count (now ints).
-    (CSwin still stops at export: docs/tooling.md.)"""
+    sizes that pad on the shared DWC kernel's traced repeat count (now ints),
+    and for CSwin on the unknown shape of LePE's padded kernel (now zeros
+    concatenated)."""
     model = dict(pvt=lambda: FLattenPVT(arch='tiny', depths=[1, 1, 1, 1]),
                  swin=lambda: FLattenSwin(embed_dims=32, depths=[2, 2, 2, 2],
-                                          num_heads=[1, 2, 4, 8]))[kind]().eval()
+                                          num_heads=[1, 2, 4, 8]),
+                 cswin=lambda: FLattenCSwin(**BACKBONES['cswin'][1]))[kind]().eval()
     exported_equals_eager(model, torch.randn(1, 3, 64, 72), tmp_path / f'{kind}.onnx', False)
+
+
+@pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
+@pytest.mark.parametrize('kind', ['swin', 'cswin'])
+def test_torchscript_onnx_export_with_dynamic_axes(kind, tmp_path):
+    """The TorchScript exporter with mmdeploy's dynamic axes (batch, height,
+    width): the graph runs any batch (Swin folds it into windows, CSwin into
+    its stripes' conv) and equals eager; at another image size onnxruntime
+    stops it (the traced size check of ``only_at_traced_size``), where a graph
+    of constant sizes would compute a wrong map. A side of 1 (Expand passes
+    it, and ONNX's Slice clamped where torch's narrow failed) ran, as if
+    broadcast."""
+    ort = pytest.importorskip('onnxruntime')
+    model = BACKBONES[kind][0](**BACKBONES[kind][1]).eval()
+    path = str(tmp_path / f'{kind}.onnx')
+    torch.onnx.export(model, (torch.randn(1, 3, 64, 72),), path, dynamo=False,
+                      input_names=['x'], dynamic_axes={'x': {0: 'batch', 2: 'h', 3: 'w'}})
+    session = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    x = torch.randn(3, 3, 64, 72)
+    with torch.no_grad():
+        want = model(x)
+    for a, b in zip(session.run(None, {'x': x.numpy()}), want, strict=True):
+        torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-4, atol=1e-4)
+    for size in ((64, 80), (48, 72), (1, 72), (64, 1), (1, 1), (32, 144)):
+        with pytest.raises(Exception, match='Expand|Reshape'):
+            session.run(None, {'x': torch.randn(1, 3, *size).numpy()})
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
@@ -619,7 +647,7 @@ def test_torchscript_is_refused_clearly_and_trace_works(name):
         torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
         x = torch.randn(2, 3, 64, 96)
         torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
-        for size in ((64, 104), (72, 96), (63, 96), (64, 1), (1, 96), (96, 64)):
+        for size in ((64, 104), (72, 96), (63, 96), (64, 1), (1, 96), (96, 64), (32, 192)):
             with pytest.raises(RuntimeError, match='only_at_traced_size'):
                 traced(torch.randn(1, 3, *size))
 

@@ -182,9 +182,18 @@ Extra = Optional[Tuple[Tensor, Optional[Tensor]]]  # a second kernel (C, 1, K', 
 def padded_to(weight: Tensor, k: int) -> Tensor:
     """A (C, 1, K, K) kernel centred in k x k zeros; itself, not a copy, if
     K == k (a pad by nothing is still a copy, a kernel launch on a GPU): not to
-    be written into."""
-    pad = (k - weight.shape[-1]) // 2
-    return F.pad(weight, [pad] * 4) if pad else weight
+    be written into. Under the TorchScript ONNX exporter, zeros concatenated
+    on each side: the kernel's shape after its ``Pad`` is unknown to the
+    exporter, which then refuses the conv (CSwin's LePE merge)."""
+    pad = (k - int(weight.shape[-1])) // 2
+    if not pad:
+        return weight
+    if not in_onnx_trace():
+        return F.pad(weight, [pad] * 4)
+    for dim in (2, 3):
+        zeros = weight.new_zeros(weight.shape[:dim] + (pad,) + weight.shape[dim + 1:])
+        weight = torch.cat([zeros, weight, zeros], dim)
+    return weight
 
 
 def merged_kernel(C: int, weight: Tensor, bias: Optional[Tensor], extra: Extra = None
