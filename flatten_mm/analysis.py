@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .models.ops import EPS, focusing_map
-from .models.utils import HWShape, spatial_reduce
+from .models.utils import HWShape, op_nodes_in_traces, spatial_reduce
 
 #: element-wise operations of the focused mapping per element of q or k:
 #: ReLU, +eps, x1/scale, square-accumulate for |a|, /|a|, the power (counted
@@ -127,9 +127,17 @@ FLOP_HANDLES: Dict[str, Callable] = {
 
 
 def flop_analyzer(model: nn.Module, inputs):
-    """An mmengine ``FlopAnalyzer`` that knows the attention core's ops."""
+    """An mmengine ``FlopAnalyzer`` that knows the attention core's ops: its
+    trace keeps them as nodes (:func:`~flatten_mm.models.utils.op_nodes_in_traces`;
+    other jit traces record their plain ops, for ``torch.jit.save`` and ONNX)."""
     from mmengine.analysis import FlopAnalyzer
-    analyzer = FlopAnalyzer(model, inputs)
+
+    class Analyzer(FlopAnalyzer):
+        def _analyze(self):  # mmengine's one call that traces the model
+            with op_nodes_in_traces():
+                return super()._analyze()
+
+    analyzer = Analyzer(model, inputs)
     analyzer.set_op_handle(**FLOP_HANDLES)
     analyzer.unsupported_ops_warnings(False)
     analyzer.uncalled_modules_warnings(False)

@@ -105,12 +105,29 @@ def is_exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-def in_onnx_trace() -> bool:
-    """Whether torch.onnx.export's TorchScript exporter (``dynamo=False``) is
-    tracing: it exports plain ops, not a Python autograd function or a Triton
-    op (on those it failed in its peephole pass). A plain jit trace keeps them
-    (mmengine's FLOP counts read them)."""
-    return torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()
+_OP_NODES = {'kept': False}
+
+
+def in_export_trace() -> bool:
+    """Whether ``torch.jit.trace`` records a graph to be saved or exported
+    (``torch.jit.save``, mmdeploy's TorchScript backend, torch.onnx's
+    TorchScript exporter): such a graph holds plain ops, not a Python autograd
+    function (``torch.jit.save`` refused it: "Could not export Python function
+    call"; the ONNX exporter failed in its peephole pass) nor a Triton op,
+    which a runtime without Python lacks. Not inside :func:`op_nodes_in_traces`."""
+    return torch.jit.is_tracing() and not _OP_NODES['kept']
+
+
+@contextlib.contextmanager
+def op_nodes_in_traces():
+    """jit traces made inside keep the attention core's ops as single nodes
+    (autograd functions, custom ops): mmengine's FLOP analysis counts them by
+    name (:mod:`flatten_mm.analysis`)."""
+    kept, _OP_NODES['kept'] = _OP_NODES['kept'], True
+    try:
+        yield
+    finally:
+        _OP_NODES['kept'] = kept
 
 
 def _under_tensor_mode() -> bool:

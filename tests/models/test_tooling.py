@@ -1,6 +1,7 @@
 """PyTorch's tooling on our models: torch.fx through timm's feature
 extractor, torch.compile (full graph, training), torch.export and ONNX."""
 import copy
+import io
 
 import pytest
 import timm
@@ -650,6 +651,15 @@ def test_torchscript_is_refused_clearly_and_trace_works(name):
         for size in ((64, 104), (72, 96), (63, 96), (64, 1), (1, 96), (96, 64), (32, 192)):
             with pytest.raises(RuntimeError, match='only_at_traced_size'):
                 traced(torch.randn(1, 3, *size))
+        # saved and loaded (as mmdeploy's TorchScript backend deploys): plain
+        # ops, where the attention core's autograd function was refused
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+        buffer.seek(0)
+        loaded = torch.jit.load(buffer)
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match='only_at_traced_size'):
+            loaded(torch.randn(1, 3, 64, 104))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')

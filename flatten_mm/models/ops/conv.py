@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from ..utils import (autocast_input, in_onnx_trace, is_exporting, map_to_tokens, must_call,
-                     tokens_to_map)
+from ..utils import (autocast_input, in_export_trace, is_exporting, map_to_tokens,
+                     must_call, tokens_to_map)
 from .dispatch import backend_of, register_backend, register_op_pair
 
 
@@ -67,7 +67,7 @@ def depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     channels-last map): there, :class:`DepthwiseConvFn`'s weight gradient, a
     grouped convolution with an H x W kernel, would fall to a generic kernel.
     """
-    if x.device.type == 'cpu' and not in_onnx_trace():
+    if x.device.type == 'cpu' and not in_export_trace():
         return DepthwiseConvFn.apply(x, weight, bias)
     return plain_depthwise_conv(x, weight, bias)
 
@@ -182,13 +182,13 @@ Extra = Optional[Tuple[Tensor, Optional[Tensor]]]  # a second kernel (C, 1, K', 
 def padded_to(weight: Tensor, k: int) -> Tensor:
     """A (C, 1, K, K) kernel centred in k x k zeros; itself, not a copy, if
     K == k (a pad by nothing is still a copy, a kernel launch on a GPU): not to
-    be written into. Under the TorchScript ONNX exporter, zeros concatenated
-    on each side: the kernel's shape after its ``Pad`` is unknown to the
-    exporter, which then refuses the conv (CSwin's LePE merge)."""
+    be written into. In a graph traced for export (:func:`.utils.in_export_trace`),
+    zeros concatenated on each side: torch.onnx's TorchScript exporter does not
+    know the kernel's shape after a ``Pad`` and refused the conv (CSwin's LePE merge)."""
     pad = (k - int(weight.shape[-1])) // 2
     if not pad:
         return weight
-    if not in_onnx_trace():
+    if not in_export_trace():
         return F.pad(weight, [pad] * 4)
     for dim in (2, 3):
         zeros = weight.new_zeros(weight.shape[:dim] + (pad,) + weight.shape[dim + 1:])

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..utils import autocast_off, in_onnx_trace
+from ..utils import autocast_off, in_export_trace
 from .autograd import FocusedLinearAttentionFn
 from .reference import focusing_map, linear_attention
 
@@ -93,7 +93,7 @@ def choose(op: str, *args) -> str:
     """The backend of ``op`` a call with these arguments runs on: the override,
     or under ``'auto'`` the first backend that supports them; ``'torch'`` where
     the op has no backend of the override's name."""
-    if in_onnx_trace():  # the formula's plain ops
+    if in_export_trace():  # the formula's plain ops
         return 'reference' if 'reference' in _BACKENDS[op] else 'torch'
     name = _OVERRIDE['name']
     if name == 'auto':
