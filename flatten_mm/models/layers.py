@@ -9,8 +9,8 @@ from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .utils import (HWShape, add_projections, check_heads, check_positive_int, must_call,
-                    pad_to_multiple, param_cached, size_cached, spatial_reduce,
-                    specialize_image_size, strided_conv, tokens_to_map)
+                    pad_to_multiple, param_cached, size_cached, sizes_symbolic,
+                    spatial_reduce, specialize_image_size, strided_conv, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .ops.conv import depthwise_conv_module
 
@@ -326,7 +326,7 @@ def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0
     B, H, W, *C = x.shape
     wh, ww = window
     layout = top, left, Hp, Wp = window_layout((H, W), window, offset)
-    if (Hp, Wp) != (H, W):
+    if sizes_symbolic(H, W) or (Hp, Wp) != (H, W):
         x = F.pad(x, (0, 0) * len(C) + (left, Wp - W - left, top, Hp - H - top))
     windows = x.view(B, Hp // wh, wh, Wp // ww, ww, *C).transpose(2, 3)
     return windows.reshape(-1, wh * ww, *C), layout
@@ -335,14 +335,16 @@ def window_partition(x: Tensor, window: HWShape, offset: Tuple[int, int] = (0, 0
 def window_key_mask(hw_shape: HWShape, window: HWShape, layout: Tuple[int, int, int, int],
                     batch: int, device) -> Optional[Tensor]:
     """(batch * nW, wh * ww) bool, True for the real tokens of each window of
-    :func:`window_partition`; None when nothing was padded."""
+    :func:`window_partition`; None when nothing was padded (where sizes are
+    symbolic, all true then: :func:`.utils.sizes_symbolic`)."""
     top, left, Hp, Wp = layout
     H, W = hw_shape
-    if (Hp, Wp) == (H, W):
+    if not sizes_symbolic(H, W) and (Hp, Wp) == (H, W):
         return None
     wh, ww = window
-    valid = torch.zeros(Hp, Wp, dtype=torch.bool, device=device)
-    valid[top:top + H, left:left + W] = True
+    # compared indices, not a slice written: no guard on the slice's bounds in an export
+    rows, cols = (torch.arange(n, device=device) for n in (Hp, Wp))
+    valid = ((rows >= top) & (rows < top + H))[:, None] & ((cols >= left) & (cols < left + W))
     mask = valid.view(Hp // wh, wh, Wp // ww, ww).transpose(1, 2).reshape(-1, wh * ww)
     return mask.repeat(batch, 1)
 

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .utils import HWShape, autocast_off, param_cached, size_cached
+from .utils import HWShape, autocast_off, param_cached, size_cached, sizes_symbolic
 
 
 def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
@@ -44,8 +44,9 @@ def resize_weights(src: HWShape, dst: HWShape, like: Tensor
     from ``src`` to ``dst``, in ``like``'s dtype and device; None for an axis
     that keeps its size. They depend on the sizes only: what a module's
     cache may hold (:func:`~flatten_mm.models.utils.size_cached`)."""
-    rows = None if src[0] == dst[0] else resize_matrix(src[0], dst[0], like)
-    cols = None if src[1] == dst[1] else resize_matrix(src[1], dst[1], like)
+    same = (False, False) if sizes_symbolic(*dst) else (src[0] == dst[0], src[1] == dst[1])
+    rows = None if same[0] else resize_matrix(src[0], dst[0], like)
+    cols = None if same[1] else resize_matrix(src[1], dst[1], like)
     return rows, cols
 
 
@@ -74,7 +75,7 @@ def resize_tokens(tokens: Tensor, src: HWShape, dst: HWShape) -> Tensor:
     ``align_corners=False``, as ``F.interpolate``) on the token layout: one
     small product per axis with the resize weights, whose backward is the
     transposed product (``F.interpolate``'s CPU backward is a slow scatter)."""
-    if tuple(src) == tuple(dst):
+    if not sizes_symbolic(*dst) and tuple(src) == tuple(dst):
         return tokens
     rows, cols = resize_parts(tokens, src, dst)
     with autocast_off(tokens.device.type):  # as resize_parts

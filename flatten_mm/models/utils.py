@@ -108,6 +108,17 @@ def is_exporting() -> bool:
 _OP_NODES = {'kept': False}
 
 
+def sizes_symbolic(*sizes) -> bool:
+    """Whether any of ``sizes`` is symbolic (``torch.export`` with
+    ``dynamic_shapes``, compiled dynamic shapes): size-dependent code then
+    takes its general form (a pad by nothing, a resize to the same size, a
+    mask of all-true keys), which equals the shortcut, so the program holds
+    at every size rather than at those that take the example's shortcuts
+    (FLatten-PVT, PVTv2 and DeiT exported at 224x224 stopped at every other
+    size: their grid was the positional encoding's)."""
+    return any(isinstance(s, torch.SymInt) for s in sizes)
+
+
 def in_export_trace() -> bool:
     """Whether ``torch.jit.trace`` records a graph to be saved or exported
     (``torch.jit.save``, mmdeploy's TorchScript backend, torch.onnx's
@@ -385,7 +396,7 @@ def pad_to_multiple(x: Tensor, multiple: int, mode: str = 'constant') -> Tensor:
     ``F.pad``) to sides that are multiples of ``multiple``; ``x`` itself when
     they are already."""
     pad_h, pad_w = -x.shape[2] % multiple, -x.shape[3] % multiple
-    if pad_h or pad_w:
+    if sizes_symbolic(*x.shape[2:]) or pad_h or pad_w:
         x = F.pad(x, (0, pad_w, 0, pad_h), mode=mode)
     return x
 

@@ -531,6 +531,24 @@ def test_torch_export_equals_eager(kind):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize('kind', ['pvtv2', 'deit'])
+def test_torch_export_with_dynamic_image_sizes(kind):
+    """Exported at the pretraining size with image sides as symbolic multiples
+    of 32 (``32 * Dim``), the program equals eager at other sizes. It stopped
+    at every other size: the example's grid was the positional encoding's,
+    and the resize's shortcut for equal sizes became a guard
+    (``utils.sizes_symbolic``: the general forms where sizes are symbolic)."""
+    model = BACKBONES[kind][0](**BACKBONES[kind][1]).eval()
+    h, w = torch.export.Dim('h', min=2, max=64), torch.export.Dim('w', min=2, max=64)
+    program = torch.export.export(model, (torch.randn(2, 3, 224, 224),),
+                                  dynamic_shapes=({2: 32 * h, 3: 32 * w},))
+    for size in ((64, 96), (256, 320)):
+        x = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            for a, b in zip(program.module()(x), model(x), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 class Bf16Autocast(torch.nn.Module):
     """A model run under bf16 autocast from inside its forward: how a
     mixed-precision program is exported (torch.export does not record an

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ...conversion import swin_convert
 from ..attention import FocusedLinearAttention
-from ..utils import HWShape, size_cached, stage_grid, to_2tuple_checked
+from ..utils import HWShape, size_cached, sizes_symbolic, stage_grid, to_2tuple_checked
 from ..layers import (DropPath, Mlp, PatchEmbed, WindowSoftmaxAttention, drop_path_rates,
                       window_key_mask, window_merge, window_partition)
 from .base import Stage, StageOutput, SwinLikeBackbone
@@ -100,7 +100,7 @@ class PatchMerging(nn.Module):
         B, _, C = x.shape
         H, W = hw_shape
         x = x.view(B, H, W, C)
-        if H % 2 or W % 2:
+        if sizes_symbolic(H, W) or H % 2 or W % 2:
             x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
         h, w = (H + 1) // 2, (W + 1) // 2
         # (B, h, row offset, w, column offset, C) -> (B, h, w, column offset, row offset, C)
