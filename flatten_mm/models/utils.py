@@ -3,6 +3,7 @@
 specialisation under torch.compile and the modules' tensor caches."""
 import collections
 import contextlib
+import contextvars
 import math
 import numbers
 import operator
@@ -105,7 +106,9 @@ def is_exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-_OP_NODES = {'kept': False}
+# per thread (and task), as jit tracing is: one thread's FLOP count must not
+# change what another's export trace records
+_OP_NODES_KEPT = contextvars.ContextVar('flatten_mm_op_nodes_kept', default=False)
 
 
 def sizes_symbolic(*sizes) -> bool:
@@ -126,7 +129,7 @@ def in_export_trace() -> bool:
     function (``torch.jit.save`` refused it: "Could not export Python function
     call"; the ONNX exporter failed in its peephole pass) nor a Triton op,
     which a runtime without Python lacks. Not inside :func:`op_nodes_in_traces`."""
-    return torch.jit.is_tracing() and not _OP_NODES['kept']
+    return torch.jit.is_tracing() and not _OP_NODES_KEPT.get()
 
 
 @contextlib.contextmanager
@@ -134,11 +137,11 @@ def op_nodes_in_traces():
     """jit traces made inside keep the attention core's ops as single nodes
     (autograd functions, custom ops): mmengine's FLOP analysis counts them by
     name (:mod:`flatten_mm.analysis`)."""
-    kept, _OP_NODES['kept'] = _OP_NODES['kept'], True
+    token = _OP_NODES_KEPT.set(True)
     try:
         yield
     finally:
-        _OP_NODES['kept'] = kept
+        _OP_NODES_KEPT.reset(token)
 
 
 def _under_tensor_mode() -> bool:

@@ -648,6 +648,26 @@ def test_torchscript_onnx_export_with_dynamic_axes(kind, tmp_path):
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
+@pytest.mark.parametrize('kind', ['pvtv2', 'cswin', 'deit'])
+def test_traced_graph_saves_and_loads(kind):
+    """``torch.jit.trace`` as users call it (gradients on, the model in eval
+    mode) records plain ops: the graph saves and
+    loads (``torch.jit.save`` refused the attention's autograd function:
+    "Could not export Python function call"), and the loaded graph equals
+    eager at any batch."""
+    model = BACKBONES[kind][0](**BACKBONES[kind][1]).eval()
+    x = torch.randn(1, 3, 64, 72)
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.trace(model, x, check_trace=False), buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    x = torch.randn(2, 3, 64, 72)
+    with torch.no_grad():
+        for a, b in zip(loaded(x), model(x), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')  # sizes become constants
 @pytest.mark.parametrize('name', ['flatten_pvt_tiny', 'flatten_swin_tiny'])
 def test_torchscript_is_refused_clearly_and_trace_works(name):
     """torch.jit.script cannot compile the attention's autograd function:
