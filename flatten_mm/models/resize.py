@@ -151,9 +151,9 @@ def add_resized_to_block_(x: Tensor, parts: Tuple[Optional[Tensor], Tensor], gri
     rows, columns c0 to c0 + c (the layer's k within its q, k, v product): no
     new tensor, in training too (:class:`AddToBlock`; where autograd records
     nothing, or under ``torch.jit.trace``, whose saved or exported graphs
-    cannot hold a custom Function, its forward alone). The resized tokens are made once for all images (G has
-    one), in G's dtype, or x's if wider: the sum is rounded to a half x once,
-    and no cast is made either way."""
+    cannot hold a custom Function, its forward alone). The resized tokens are
+    made once for all images (G has one), in G's dtype, or x's if wider: the
+    sum is rounded to a half x once, and no cast is made either way."""
     rows, cols = parts
     with autocast_off(x.device.type):
         cols = cols.to(torch.promote_types(x.dtype, cols.dtype))

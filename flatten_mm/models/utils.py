@@ -106,11 +106,6 @@ def is_exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-# per thread (and task), as jit tracing is: one thread's FLOP count must not
-# change what another's export trace records
-_OP_NODES_KEPT = contextvars.ContextVar('flatten_mm_op_nodes_kept', default=False)
-
-
 def sizes_symbolic(*sizes) -> bool:
     """Whether any of ``sizes`` is symbolic (``torch.export`` with
     ``dynamic_shapes``, compiled dynamic shapes): size-dependent code then
@@ -120,6 +115,11 @@ def sizes_symbolic(*sizes) -> bool:
     (FLatten-PVT, PVTv2 and DeiT exported at 224x224 stopped at every other
     size: their grid was the positional encoding's)."""
     return any(isinstance(s, torch.SymInt) for s in sizes)
+
+
+# per thread (and task), as jit tracing is: one thread's FLOP count must not
+# change what another's export trace records
+_OP_NODES_KEPT = contextvars.ContextVar('flatten_mm_op_nodes_kept', default=False)
 
 
 def in_export_trace() -> bool:

@@ -104,3 +104,29 @@ def test_copies_of_a_module_start_with_an_empty_cache():
     assert not pickle.loads(pickle.dumps(layer)).__dict__['_tensor_cache']
     with torch.no_grad():
         assert torch.equal(twin(x, (4, 3)), layer(x, (4, 3)))
+
+
+def test_op_nodes_are_kept_in_this_threads_traces_only():
+    """Inside ``op_nodes_in_traces`` (the FLOP analyzer's trace) a jit trace
+    keeps the attention core's nodes; a trace in another thread meanwhile
+    records plain ops (as for ``torch.jit.save``), and so does this thread's
+    after the block."""
+    import threading
+    from flatten_mm.models import utils
+
+    def seen(result: list, key: str):
+        def fn(x):
+            result.append((key, torch.jit.is_tracing(), utils.in_export_trace()))
+            return x + 1
+        torch.jit.trace(fn, torch.zeros(1), check_trace=False)
+
+    result: list = []
+    with utils.op_nodes_in_traces():
+        seen(result, 'inside')
+        thread = threading.Thread(target=seen, args=(result, 'other thread'))
+        thread.start()
+        thread.join()
+    seen(result, 'after')
+    assert sorted(result) == [('after', True, True), ('inside', True, False),
+                              ('other thread', True, True)]
+    assert not utils.in_export_trace()  # not tracing
