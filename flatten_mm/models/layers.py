@@ -360,9 +360,14 @@ def additive_key_mask(key_mask: Optional[Tensor], dtype: torch.dtype) -> Optiona
 
 def window_merge(windows: Tensor, window: HWShape, hw_shape: HWShape,
                  layout: Tuple[int, int, int, int]) -> Tensor:
-    """Inverse of :func:`window_partition`: (B * nW, wh * ww, C) -> (B, H, W, C)."""
+    """Inverse of :func:`window_partition`: (B * nW, wh * ww, C) -> (B, H, W, C),
+    the padded map's crop: a view, or where sizes are symbolic a copy (torch
+    guards a view's strides on whether there was padding: an exported CSwin
+    then stopped at sizes that padded otherwise than its example)."""
     wh, ww = window
     top, left, Hp, Wp = layout
     C = windows.shape[-1]
     x = windows.view(-1, Hp // wh, Wp // ww, wh, ww, C).transpose(2, 3).reshape(-1, Hp, Wp, C)
+    if sizes_symbolic(*hw_shape):
+        return x.narrow_copy(1, top, hw_shape[0]).narrow_copy(2, left, hw_shape[1])
     return x[:, top:top + hw_shape[0], left:left + hw_shape[1]]
