@@ -9,7 +9,8 @@ from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .utils import (HWShape, add_projections, check_heads, check_positive_int, must_call,
-                    pad_to_multiple, param_cached, size_cached, sizes_symbolic,
+                    onnx_export_trace, pad_to_multiple, param_cached, size_cached,
+                    sizes_symbolic,
                     spatial_reduce, specialize_image_size, strided_conv, tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .ops.conv import depthwise_conv_module
@@ -368,6 +369,6 @@ def window_merge(windows: Tensor, window: HWShape, hw_shape: HWShape,
     top, left, Hp, Wp = layout
     C = windows.shape[-1]
     x = windows.view(-1, Hp // wh, Wp // ww, wh, ww, C).transpose(2, 3).reshape(-1, Hp, Wp, C)
-    if sizes_symbolic(*hw_shape):
+    if sizes_symbolic(*hw_shape) and not onnx_export_trace():  # (ONNX has no narrow_copy)
         return x.narrow_copy(1, top, hw_shape[0]).narrow_copy(2, left, hw_shape[1])
     return x[:, top:top + hw_shape[0], left:left + hw_shape[1]]

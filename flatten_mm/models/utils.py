@@ -7,6 +7,7 @@ import contextvars
 import math
 import numbers
 import operator
+import warnings
 from typing import Tuple
 
 import torch
@@ -69,11 +70,12 @@ STATIC_IMAGE_SIZES = True
 def specialize_image_size(x: Tensor) -> Tensor:
     """``x`` (B, C, H, W); while torch.compile traces it, H and W become
     compile-time constants (guarded) when :data:`STATIC_IMAGE_SIZES` is set;
-    under ``torch.jit.trace`` see :func:`only_at_traced_size`."""
+    under ``torch.jit.trace`` see :func:`only_at_traced_size` (not in
+    torch.onnx's trace: :func:`onnx_export_trace`)."""
     if STATIC_IMAGE_SIZES and torch.compiler.is_compiling() and not is_exporting():
         # operator.index needs a Python int: dynamo specialises the symbol
         operator.index(x.shape[-2]), operator.index(x.shape[-1])
-    if torch.jit.is_tracing():
+    if torch.jit.is_tracing() and not onnx_export_trace():
         return only_at_traced_size(x)
     return x
 
@@ -81,17 +83,18 @@ def specialize_image_size(x: Tensor) -> Tensor:
 def only_at_traced_size(x: Tensor) -> Tensor:
     """Images x (B, C, H, W) under ``torch.jit.trace``, as views that a traced
     graph computes only where the images have the traced H and W, and that
-    stop it elsewhere. A traced graph holds the paddings, window counts and
-    resize sizes derived from H and W in Python as constants: at another size
-    it gave wrong outputs where nothing failed (traced at 64x64, at 64x72:
-    FLatten-PVT-T's logits off by up to 0.29, FLatten-DeiT-T's by 0.18).
+    stop it elsewhere. A plain trace keeps the shortcuts that the traced size
+    takes (a pad by nothing, a resize to the same size: :func:`sizes_symbolic`)
+    and any frozen branch: at another size it gave wrong outputs where nothing
+    failed (traced at 64x64, at 64x72: FLatten-PVT-T's logits off by up to
+    0.29, FLatten-DeiT-T's by 0.18).
 
     With H and W recorded as constants, ``expand`` fails on a side other than
     H (W) but 1, and ``reshape`` on H x W pixels of another count: together
-    every other size, also in an ONNX graph (torch.onnx's TorchScript exporter
-    with dynamic axes), whose ``Slice`` clamps where ``narrow`` failed, so a
-    side of 1 ran there as if broadcast. ``expand_as`` keeps both in the graph
-    at no cost; the batch and channels are read (dynamic)."""
+    every other size (also in an ONNX graph, whose ``Slice`` clamps where
+    ``narrow`` fails, so a side of 1 passed the narrow alone). ``expand_as``
+    keeps both in the graph at no cost; the batch and channels are read
+    (dynamic)."""
     H, W = torch.tensor(x.shape[-2:]).tolist()  # constants in the graph, not sizes read
     return x.reshape(x.shape[0], x.shape[1], H, W).expand_as(x.expand(-1, -1, H, W))
 
@@ -114,7 +117,42 @@ def sizes_symbolic(*sizes) -> bool:
     at every size rather than at those that take the example's shortcuts
     (FLatten-PVT, PVTv2 and DeiT exported at 224x224 stopped at every other
     size: their grid was the positional encoding's)."""
-    return any(isinstance(s, torch.SymInt) for s in sizes)
+    return any(isinstance(s, torch.SymInt) for s in sizes) or onnx_export_trace()
+
+
+def onnx_export_trace() -> bool:
+    """Whether torch.onnx's TorchScript exporter (``dynamo=False``, as mmdeploy
+    exports) traces the model. Its trace records the sizes read from the input
+    and the arithmetic on them (they are 0-dim tensors there), so with the
+    general forms of :func:`sizes_symbolic` and no image size frozen in
+    Python, its graph holds at every size (``dynamic_axes``); a branch on the
+    sizes is frozen, so it stops the graph where it would go the other way
+    (:func:`branch_on_sizes`). A plain ``torch.jit.trace`` keeps the
+    shortcuts, whose ops FLOP counters count, and its traced size
+    (:func:`only_at_traced_size`)."""
+    return torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()
+
+
+def branch_on_sizes(x: Tensor, cond) -> Tuple[Tensor, bool]:
+    """``(x, cond)`` for a condition on image sizes (a bool, or a SymBool
+    under torch.export, which guards on it). In a jit trace, as torch.onnx's
+    (:func:`onnx_export_trace`), ``cond`` is a 0-dim bool tensor computed in
+    the graph, the branch the trace takes is frozen into it, and x becomes a
+    view of itself that fails, in torch and in ONNX runtimes, at sizes
+    whose ``cond`` differs from the traced one (an ``expand`` of the last
+    side, channels, to twice its size there; a reshape was merged into the
+    next by ONNX's optimisers): the graph stops instead of running the other
+    branch's inputs through this one."""
+    if not isinstance(cond, Tensor):
+        return x, cond
+    with warnings.catch_warnings():  # the trace's bool is frozen: that is the point
+        warnings.simplefilter('ignore', torch.jit.TracerWarning)
+        taken, channels = bool(cond), int(x.shape[-1])
+    if channels < 2:  # ONNX's Expand broadcasts a side of 1: no check
+        raise ValueError(f'branch_on_sizes needs x with more than 1 channel last, got '
+                         f'{channels}')
+    other = 1 - cond.long() if taken else cond.long()  # 1 where they take the other
+    return x.expand(*x.shape[:-1], x.shape[-1] * (1 + other)), taken
 
 
 # per thread (and task), as jit tracing is: one thread's FLOP count must not

@@ -1,10 +1,11 @@
 """flatten_mm/models/utils.py: the modules' tensor caches."""
+import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from flatten_mm.models.utils import CACHE_SIZE, autocast_input, size_cached
+from flatten_mm.models.utils import CACHE_SIZE, autocast_input, branch_on_sizes, size_cached
 
 
 class Counted:
@@ -130,3 +131,42 @@ def test_op_nodes_are_kept_in_this_threads_traces_only():
     assert sorted(result) == [('after', True, True), ('inside', True, False),
                               ('other thread', True, True)]
     assert not utils.in_export_trace()  # not tracing
+
+
+class SizeBranch(torch.nn.Module):
+    """Doubles (B, W, C) rows of more than 4 tokens (a branch on the image size)."""
+
+    def forward(self, x):
+        x, wide = branch_on_sizes(x, x.shape[1] > 4)
+        return x * 2 if wide else x
+
+
+@pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')
+def test_a_branch_on_sizes_stops_an_onnx_graph_where_it_goes_the_other_way(tmp_path):
+    """Eager: x and the bool as they are. Exported by torch.onnx's TorchScript
+    exporter with dynamic axes at a width of 8: the graph runs at any width
+    over 4 and stops (onnxruntime's error) at 4 or less, where eager takes the
+    other branch; a plain jit trace's graph stops there too. One channel is
+    refused: Expand would broadcast it, checking nothing."""
+    ort = pytest.importorskip('onnxruntime')
+    x = torch.randn(2, 5, 3)
+    assert branch_on_sizes(x, False) == (x, False)
+    path = str(tmp_path / 'branch.onnx')
+    torch.onnx.export(SizeBranch(), (torch.randn(1, 8, 3),), path, dynamo=False,
+                      input_names=['x'], dynamic_axes={'x': {0: 'b', 1: 'w'}})
+    session = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    for width in (5, 8, 31):
+        x = torch.randn(2, width, 3)
+        torch.testing.assert_close(torch.from_numpy(session.run(None, {'x': x.numpy()})[0]),
+                                   2 * x)
+    for width in (1, 4):
+        with pytest.raises(Exception, match='Expand'):
+            session.run(None, {'x': torch.randn(2, width, 3).numpy()})
+    traced = torch.jit.trace(SizeBranch(), torch.randn(1, 8, 3))  # a plain trace too
+    x = torch.randn(2, 5, 3)
+    torch.testing.assert_close(traced(x), 2 * x)
+    with pytest.raises(RuntimeError, match='expand'):
+        traced(torch.randn(2, 4, 3))
+    with pytest.raises(ValueError, match='more than 1 channel last, got 1'):
+        torch.onnx.export(SizeBranch(), (torch.randn(1, 8, 1),), str(tmp_path / 'one.onnx'),
+                          dynamo=False)

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from ...conversion import swin_convert
 from ..attention import FocusedLinearAttention
-from ..utils import HWShape, size_cached, sizes_symbolic, stage_grid, to_2tuple_checked
+from ..utils import (HWShape, branch_on_sizes, size_cached, sizes_symbolic, stage_grid,
+                     to_2tuple_checked)
 from ..layers import (DropPath, Mlp, PatchEmbed, WindowSoftmaxAttention, drop_path_rates,
                       window_key_mask, window_merge, window_partition)
 from .base import Stage, StageOutput, SwinLikeBackbone
@@ -61,11 +62,14 @@ class SwinBlock(nn.Module):
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop)
 
     def attention(self, x: Tensor, hw_shape: HWShape) -> Tensor:
-        H, W = hw_shape
-        if self.window is None or (self.linear and H <= self.window[0] and W <= self.window[1]):
+        if self.window is None:
+            return self.attn(x, hw_shape)
+        (H, W), (wh, ww) = hw_shape, self.window
+        fits = False  # whether the map fits in one window: no shift, and L attends globally
+        if self.linear or self.shift:  # (other blocks compute the same either way)
+            x, fits = branch_on_sizes(x, (H <= wh) & (W <= ww))
+        if self.linear and fits:
             return self.attn(x, hw_shape)  # one window: the whole map
-        wh, ww = self.window
-        fits = H <= wh and W <= ww
         offset = (wh - wh // 2, ww - ww // 2) if self.shift and not fits else (0, 0)
         if not self.linear:
             return self.attn(x, hw_shape, offset)

@@ -47,7 +47,8 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
     n = k.shape[1]
     d = C // num_heads
     if key_mask is None:
-        count = torch.full((B, 1, 1), float(n), dtype=q.dtype, device=q.device)
+        # n as a factor, not a fill value: a jit trace records it as a size read
+        count = q.new_ones(B, 1, 1) * n
     else:
         # zero phi(K) at masked keys: they then drop out of sum_j k_j v_j and
         # of the key mean, whatever V holds there
