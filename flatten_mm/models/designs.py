@@ -129,7 +129,10 @@ def _hydra(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tenso
     k = F.normalize(k, dim=-1)
     if key_mask is not None:
         k = k * key_mask.to(k.dtype).unsqueeze(-1)
-    kv = torch.einsum('bnc,bnc->bc', k, v)
+    # sum_j k_j * v_j per channel, as (B, C) dot products over the keys: a matmul,
+    # as FLOP counters count one (ONNX has Einsum from opset 12 only)
+    kv = torch.matmul(k.transpose(1, 2).unsqueeze(2), v.transpose(1, 2).unsqueeze(3))
+    kv = kv.flatten(1)  # (B, C)
     return q * kv.unsqueeze(1)
 
 

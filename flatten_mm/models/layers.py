@@ -221,8 +221,7 @@ class SpatialReductionAttention(nn.Module):
         if self.sr_ratio > 1:
             x, _ = spatial_reduce(x, hw_shape, self)
         k, v = self.kv(x).view(B, -1, 2, h, C // h).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_drop if self.training else 0.)
+        out = softmax_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
 
 
@@ -294,8 +293,7 @@ class WindowSoftmaxAttention(nn.Module):
         Bw, n, C3 = qkv.shape
         h = self.num_heads
         q, k, v = qkv.view(Bw, n, 3, h, C3 // (3 * h)).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.)
+        out = softmax_attention(q, k, v, bias, self.attn_drop if self.training else 0.)
         return out.transpose(1, 2).reshape(Bw, n, C3 // 3)
 
 
@@ -348,6 +346,21 @@ def window_key_mask(hw_shape: HWShape, window: HWShape, layout: Tuple[int, int, 
     valid = ((rows >= top) & (rows < top + H))[:, None] & ((cols >= left) & (cols < left + W))
     mask = valid.view(Hp // wh, wh, Wp // ww, ww).transpose(1, 2).reshape(-1, wh * ww)
     return mask.repeat(batch, 1)
+
+
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                      dropout_p: float = 0.) -> Tensor:
+    """``F.scaled_dot_product_attention`` of (..., n, d) q, k, v with an
+    additive ``attn_mask``; in a graph torch.onnx traces
+    (:func:`.utils.onnx_export_trace`) its formula, products and a softmax:
+    ONNX has the op from opset 14 only, and mmdeploy's configs export at 11."""
+    if not onnx_export_trace():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    probs = scores.softmax(-1)
+    return torch.matmul(F.dropout(probs, dropout_p) if dropout_p else probs, v)
 
 
 def additive_key_mask(key_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:

@@ -24,12 +24,14 @@ def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
     torch.compile traces it on every device and with symbolic sizes (a
     tensor built from a list was a graph break on non-CPU devices, and a
     crash once sizes became symbolic; docs/design.md)."""
-    d = 2 * dst
-    n = ((2 * torch.arange(dst, device=like.device) + 1) * src - dst).clamp(min=0)
+    # (where, not clamp: ONNX clips integers from opset 12 only; mmdeploy exports at 11)
+    d, last = 2 * dst, src - 1
+    n = (2 * torch.arange(dst, device=like.device) + 1) * src - dst
+    n = torch.where(n > 0, n, 0)
     lo = torch.div(n, d, rounding_mode='floor')
-    inside = lo < src - 1  # else pos is at or past the last sample: weight 1 there
-    lo = lo.clamp(max=src - 1)
-    hi = (lo + 1).clamp(max=src - 1)
+    inside = lo < last  # else pos is at or past the last sample: weight 1 there
+    lo = torch.where(inside, lo, last)
+    hi = torch.where(lo + 1 < last, lo + 1, last)
     # fp32 (or fp64) arithmetic holds the integers exactly, half may not
     num = torch.where(inside, n - lo * d, 0).to(torch.promote_types(like.dtype, torch.float32))
     frac = (num / d).to(like.dtype)[:, None]

@@ -19,7 +19,6 @@ tokens are masked out of the softmax, so results do not depend on padding.
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...conversion import cswin_convert
@@ -27,7 +26,7 @@ from ..attention import FocusedLinearAttention
 from ..utils import (HWShape, map_to_tokens, pad_to_multiple, size_cached, stage_grid,
                      strided_conv, tokens_to_map)
 from ..layers import (DropPath, Mlp, additive_key_mask, check_stage_list, drop_path_rates,
-                      window_key_mask, window_merge, window_partition)
+                      softmax_attention, window_key_mask, window_merge, window_partition)
 from ..ops.conv import depthwise_conv_module
 from .base import Stage, StageOutput, SwinLikeBackbone
 from .checks import check_no_unknown_args
@@ -84,8 +83,7 @@ class LePEAttention(nn.Module):
         mask = size_cached(
             self, ('mask', (H, W), B, q.dtype, q.device),
             lambda: self.padding_mask((H, W), window, layout, B, q.dtype, q.device))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
+        out = softmax_attention(q, k, v, mask, self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(Bw, n, C)
         # LePE: V of each stripe as a map; padded V is zero, as the conv's own padding.
         # Taken from v (a view of the windows), its gradient joins v's before the

@@ -18,12 +18,11 @@ and ``frozen_stages`` count blocks, and every output is a stride-16 map.
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FocusedLinearAttention
 from ..layers import (DropPath, Mlp, check_attn_type, check_images, drop_path_rates,
-                      stage_output)
+                      softmax_attention, stage_output)
 from ..resize import add_resized, cached_resize_parts
 from ..utils import (HWShape, check_heads, check_number, check_positive_int, map_to_tokens,
                      pad_to_multiple, strided_conv)
@@ -81,8 +80,7 @@ class GlobalSoftmaxAttention(nn.Module):
     def forward(self, x: Tensor, hw_shape: Optional[HWShape] = None) -> Tensor:
         B, N, C = x.shape
         q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_drop if self.training else 0.)
+        out = softmax_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
 
 

@@ -55,11 +55,12 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int,
         m = key_mask.to(q.dtype).unsqueeze(-1)
         k = k * m
         count = m.sum(dim=1, keepdim=True).clamp_min(1)  # no key: the term is 0, no 0/0
-    qh = q.view(B, N, num_heads, d)
-    kh = k.view(B, n, num_heads, d)
-    vh = v.view(B, n, num_heads, d)
-    k_mean = kh.sum(dim=1) / count  # (B, h, d)
-    kv = torch.einsum('bnhd,bnhe->bhde', kh, vh) / count.unsqueeze(-1)
-    z = 1.0 / (torch.einsum('bnhd,bhd->bnh', qh, k_mean) + EPS)
-    out = torch.einsum('bnhd,bhde->bnhe', qh, kv) * z.unsqueeze(-1)
-    return out.reshape(B, N, C)
+    # per head (B, h, tokens, d); products as matmuls, which ONNX has at every
+    # opset (Einsum from opset 12; mmdeploy's configs export at 11)
+    qh, kh, vh = (t.view(B, -1, num_heads, d).transpose(1, 2) for t in (q, k, v))
+    count = count.unsqueeze(1)  # (B, 1, 1, 1)
+    k_mean = kh.sum(dim=2, keepdim=True) / count  # (B, h, 1, d)
+    kv = torch.matmul(kh.transpose(2, 3), vh) / count  # (B, h, d, d)
+    z = 1.0 / (torch.matmul(qh, k_mean.transpose(2, 3)) + EPS)  # (B, h, N, 1)
+    out = torch.matmul(qh, kv) * z
+    return out.transpose(1, 2).reshape(B, N, C)
