@@ -10,8 +10,8 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .utils import (HWShape, add_projections, check_heads, check_positive_int, must_call,
                     onnx_export_trace, pad_to_multiple, param_cached, size_cached,
-                    sizes_symbolic,
-                    spatial_reduce, specialize_image_size, strided_conv, tokens_to_map)
+                    sizes_symbolic, spatial_reduce, specialize_image_size, strided_conv,
+                    tokens_to_map)
 from .ops import MLP_CHUNK_ROWS, TokenMlpFn, token_mlp
 from .ops.conv import depthwise_conv_module
 
