@@ -19,8 +19,8 @@ from .ops.conv import torch_conv_add
 from .ops.local import grid_rows, split_qkv
 from .resize import add_resized_to_block_, cached_resize_parts, resize_tokens
 from .utils import (HWShape, add_projections, autocast_input, check_heads, check_number,
-                    check_positive_int, map_to_tokens, must_call, spatial_reduce, tokens_to_map,
-                    to_2tuple_checked)
+                    check_positive_int, map_to_tokens, must_call, onnx_export_trace,
+                    sizes_symbolic, spatial_reduce, tokens_to_map, to_2tuple_checked)
 
 
 def check_attention_args(embed_dims: int, num_heads: int, sr_ratio: int, focusing_factor: float,
@@ -77,7 +77,7 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
     if not modules:
         return out
     v = grid_rows(v, grid)  # (prefix tokens, which need sr_ratio=1: grid is hw_shape)
-    if tuple(grid) != tuple(hw_shape):
+    if layer.sr_ratio > 1:  # V on the reduced grid (a branch on the keys, not on sizes)
         # resized as autocast has it (CUDA's in fp32: the backward sums V's gradient
         # there), then in V's dtype again: the fused DWC takes out and V of one dtype
         v = layer.conv_on_grid(v, grid, lambda m: m, hw_shape).to(v.dtype)
@@ -88,6 +88,9 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
         return out + F.pad(local, (0, out.shape[-1] - C, out.shape[1] - local.shape[1], 0))
     kernel = local_kernel(layer)
     if out.shape[-1] != C:  # in place into the first C channels
+        if onnx_export_trace():  # (torch.onnx wrote the add into a slice at the traced size)
+            return torch.cat([torch_conv_add(out[..., :C], v, hw_shape, *kernel, inplace=False),
+                              out[..., C:]], -1)
         torch_conv_add(out[..., :C], v, hw_shape, *kernel)
         return out
     return depthwise_conv_add(out, v, hw_shape, *kernel)
@@ -305,7 +308,7 @@ class FocusedLinearAttention(nn.Module):
         (DWC, LePE, EfficientViT's aggregation). The map is a channels-last view of
         x's memory and a conv's output is channels-last too: no copies."""
         x_map = tokens_to_map(x, grid)
-        if size is not None and tuple(grid) != tuple(size):
+        if size is not None and (sizes_symbolic(*size) or tuple(grid) != tuple(size)):
             x_map = F.interpolate(x_map, size=tuple(size), mode='bilinear', align_corners=False)
         return map_to_tokens(conv(x_map))
 

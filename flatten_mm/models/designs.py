@@ -303,7 +303,7 @@ class EfficientViTDesign(Design):
             m = key_mask.to(q.dtype).unsqueeze(-1)
             q, k, v = q * m, k * m, v * m
         C = layer.embed_dims
-        if tuple(grid) == tuple(hw_shape):  # one map of q, k, v, as EfficientViT's
+        if layer.sr_ratio == 1:  # one map of q, k, v, as EfficientViT's
             agg = self.aggregate(layer, torch.cat([q, k, v], -1), grid, slice(0, 3 * C))
             q2, k2, v2 = agg.split(C, -1)
         else:  # q on the query grid, k and v on the reduced one
