@@ -377,7 +377,8 @@ def window_merge(windows: Tensor, window: HWShape, hw_shape: HWShape,
     """Inverse of :func:`window_partition`: (B * nW, wh * ww, C) -> (B, H, W, C),
     the padded map's crop: a view, or where sizes are symbolic a copy (torch
     guards a view's strides on whether there was padding: an exported CSwin
-    then stopped at sizes that padded otherwise than its example)."""
+    then stopped at sizes that padded otherwise than its example); a view in
+    torch.onnx's trace (ONNX has no ``narrow_copy``; a slice there)."""
     wh, ww = window
     top, left, Hp, Wp = layout
     C = windows.shape[-1]

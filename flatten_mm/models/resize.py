@@ -5,9 +5,11 @@ product as backward instead of a slow scatter."""
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .utils import HWShape, autocast_off, param_cached, size_cached, sizes_symbolic
+from .utils import (HWShape, autocast_off, onnx_export_trace, param_cached, size_cached,
+                    sizes_symbolic)
 
 
 def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
@@ -161,6 +163,10 @@ def add_resized_to_block_(x: Tensor, parts: Tuple[Optional[Tensor], Tensor], gri
         cols = cols.to(torch.promote_types(x.dtype, cols.dtype))
         resized = cols if rows is None else torch.matmul(rows.to(cols.dtype), cols)
     resized = resized.view(1, grid[0] * grid[1], -1)
+    if onnx_export_trace():  # torch.onnx dropped the in-place add into a view of x
+        L, W = x.shape[0] // images, x.shape[1]
+        block = F.pad(resized, (c0, W - c0 - resized.shape[2], L - resized.shape[1], 0))
+        return (x.view(images, L, W) + block).view(x.shape)
     if torch.is_grad_enabled() and (x.requires_grad or resized.requires_grad) and \
             not torch.jit.is_tracing():
         return AddToBlock.apply(x, resized, c0, images)
