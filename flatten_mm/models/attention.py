@@ -69,8 +69,8 @@ def add_local_term(layer: nn.Module, out: Tensor, v: Tensor, grid: HWShape,
                    hw_shape: HWShape) -> Tensor:
     """The attention term ``out`` plus the layer's DWC(V) (+ LePE) on the query
     grid, V resized from the key ``grid`` first with reduced keys
-    (``sr_ratio > 1``); ``out`` itself when the layer has neither. Prefix tokens get no local
-    term. With more than V's C channels (EfficientViT's scales) the first C
+    (``sr_ratio > 1``); ``out`` itself when the layer has neither. Prefix
+    tokens get no local term. With more than V's C channels (EfficientViT's scales) the first C
     take it, in place; otherwise it is one op a backend may fuse
     (:func:`~flatten_mm.models.ops.depthwise_conv_add`)."""
     modules = local_modules(layer)

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .utils import (HWShape, autocast_off, onnx_export_trace, param_cached, size_cached,
-                    sizes_symbolic)
+from .utils import HWShape, autocast_off, param_cached, size_cached, sizes_symbolic
 
 
 def resize_matrix(src: int, dst: int, like: Tensor) -> Tensor:
@@ -154,8 +153,9 @@ def add_resized_to_block_(x: Tensor, parts: Tuple[Optional[Tensor], Tensor], gri
     parameter to ``grid`` (H, W); H*W <= L) added in place to its last H*W
     rows, columns c0 to c0 + c (the layer's k within its q, k, v product): no
     new tensor, in training too (:class:`AddToBlock`; where autograd records
-    nothing, or under ``torch.jit.trace``, whose saved or exported graphs
-    cannot hold a custom Function, its forward alone). The resized tokens are
+    nothing, its forward alone). Under ``torch.jit.trace`` (saved graphs cannot
+    hold a custom Function) a new tensor: torch.onnx's exporter dropped the add
+    into a view, from every graph. The resized tokens are
     made once for all images (G has one), in G's dtype, or x's if wider: the
     sum is rounded to a half x once, and no cast is made either way."""
     rows, cols = parts
@@ -163,12 +163,11 @@ def add_resized_to_block_(x: Tensor, parts: Tuple[Optional[Tensor], Tensor], gri
         cols = cols.to(torch.promote_types(x.dtype, cols.dtype))
         resized = cols if rows is None else torch.matmul(rows.to(cols.dtype), cols)
     resized = resized.view(1, grid[0] * grid[1], -1)
-    if onnx_export_trace():  # torch.onnx dropped the in-place add into a view of x
+    if torch.jit.is_tracing():  # out of place: torch.onnx dropped an add into a view of x
         L, W = x.shape[0] // images, x.shape[1]
         block = F.pad(resized, (c0, W - c0 - resized.shape[2], L - resized.shape[1], 0))
         return (x.view(images, L, W) + block).view(x.shape)
-    if torch.is_grad_enabled() and (x.requires_grad or resized.requires_grad) and \
-            not torch.jit.is_tracing():
+    if torch.is_grad_enabled() and (x.requires_grad or resized.requires_grad):
         return AddToBlock.apply(x, resized, c0, images)
     return AddToBlock.forward(x, resized, c0, images)
 

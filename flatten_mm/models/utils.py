@@ -112,8 +112,8 @@ def is_exporting() -> bool:
 def sizes_symbolic(*sizes) -> bool:
     """Whether any of ``sizes`` is symbolic (``torch.export`` with
     ``dynamic_shapes``, compiled dynamic shapes), or torch.onnx traces the
-    model (:func:`onnx_export_trace`: sizes are traced values): size-dependent code then
-    takes its general form (a pad by nothing, a resize to the same size, a
+    model (:func:`onnx_export_trace`: sizes are traced values): size-dependent
+    code then takes its general form (a pad by nothing, a resize to the same size, a
     mask of all-true keys), which equals the shortcut, so the program holds
     at every size rather than at those that take the example's shortcuts
     (FLatten-PVT, PVTv2 and DeiT exported at 224x224 stopped at every other
